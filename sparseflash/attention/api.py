@@ -1,0 +1,137 @@
+"""``attention(q, k, v, mask, ...)``: checks its inputs, resolves the mask and picks a backend."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Union
+
+import torch
+
+from sparseflash.attention.blocked import blocked_attention
+from sparseflash.attention.reference import reference_attention
+from sparseflash.masks import BlockMask, make
+
+MaskSpec = Union[None, str, BlockMask]
+Backend = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+DEFAULT_BLOCK = 128  # mask block of the masks built for mask=None and mask="causal"
+
+
+BACKENDS: dict[str, Backend] = {
+    "reference": reference_attention,
+    "blocked": blocked_attention,
+}
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The concrete backend name: ``auto`` is ``triton`` on CUDA and ``blocked`` elsewhere."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and "triton" in BACKENDS else "blocked"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of: auto, {', '.join(BACKENDS)}")
+    return backend
+
+
+@functools.lru_cache(maxsize=64)
+def _standard_mask(name: str, q_len: int, kv_len: int) -> BlockMask:
+    return make(name, q_len, kv_len, block=DEFAULT_BLOCK)
+
+
+def resolve_mask(mask: MaskSpec, q_len: int, kv_len: int, heads: int) -> BlockMask:
+    """``None`` (dense), ``"causal"`` or a ``BlockMask`` -> a ``BlockMask`` checked against the shapes."""
+    if mask is None:
+        return _standard_mask("dense", q_len, kv_len)
+    if isinstance(mask, str):
+        if mask not in ("dense", "causal"):
+            raise ValueError(
+                f"mask must be None, 'causal' or a BlockMask; got the string {mask!r} "
+                f"(build other patterns with sparseflash.masks.make({mask!r}, ...))"
+            )
+        return _standard_mask(mask, q_len, kv_len)
+    if not isinstance(mask, BlockMask):
+        raise ValueError(f"mask must be None, 'causal' or a BlockMask; got {type(mask).__name__}")
+    if (mask.q_len, mask.kv_len) != (q_len, kv_len):
+        raise ValueError(
+            f"mask was built for q_len={mask.q_len}, kv_len={mask.kv_len}; "
+            f"the inputs have S_q={q_len}, S_kv={kv_len}"
+        )
+    if mask.num_heads not in (1, heads):
+        raise ValueError(f"mask has {mask.num_heads} heads; expected 1 or H={heads}")
+    return mask
+
+
+def _check_inputs(q, k, v, key_lengths, scale) -> float:
+    """Raise ValueError on malformed inputs; return the softmax scale."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, S, D]; got shape {tuple(x.shape)}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} must be float16, bfloat16 or float32; got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    (batch, heads, _, dim), (kb, kv_heads, kv_len, kd) = q.shape, k.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [B, H_kv, S_kv, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if kb != batch:
+        raise ValueError(f"batch sizes differ: q has B={batch}, k and v have B={kb}")
+    if kd != dim:
+        raise ValueError(f"head_dim differs: q has D={dim}, k and v have D={kd}")
+    if not 1 <= dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}; got {dim}")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"q heads must be a multiple of k/v heads (GQA); got H={heads}, H_kv={kv_heads}")
+    if key_lengths is not None:
+        if not isinstance(key_lengths, torch.Tensor) or key_lengths.shape != (batch,) or (
+            key_lengths.dtype.is_floating_point or key_lengths.dtype == torch.bool
+        ):
+            got = (f"{key_lengths.dtype} {tuple(key_lengths.shape)}" if isinstance(key_lengths, torch.Tensor)
+                   else type(key_lengths).__name__)
+            raise ValueError(f"key_lengths must be an integer tensor of shape ({batch},); got {got}")
+        if key_lengths.device != q.device:
+            raise ValueError(f"key_lengths must be on {q.device}; got {key_lengths.device}")
+    if scale is None:
+        return 1.0 / math.sqrt(dim)
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number or None; got {scale!r}")
+    return float(scale)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskSpec = None,
+    *,
+    key_lengths: torch.Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+):
+    """Exact softmax attention restricted to a mask.
+
+    Args:
+        q: ``(B, H, S_q, D)``; k, v: ``(B, H_kv, S_kv, D)`` with ``H % H_kv == 0`` (GQA), one
+            dtype (float16, bfloat16 or float32) and device; ``1 <= D <= 256``.
+        mask: ``None`` (dense), ``"causal"`` or a ``BlockMask`` built for ``(S_q, S_kv)`` with
+            1 or H heads. Causal masks align at the top left: query ``i`` sees keys ``<= i``.
+        key_lengths: optional int ``(B,)``; keys at index ``>= key_lengths[b]`` are masked.
+        scale: softmax scale, default ``1/sqrt(D)``.
+        backend: ``auto`` (``triton`` on CUDA, ``blocked`` elsewhere), ``triton``, ``blocked``
+            or ``reference``.
+        return_lse: also return the log-sum-exp of the kept scores.
+
+    Returns:
+        ``o (B, H, S_q, D)`` in the dtype of ``q``, and with ``return_lse`` also
+        ``lse (B, H, S_q)`` fp32. A query that keeps no score gets ``o = 0``, ``lse = -inf``.
+    """
+    scale = _check_inputs(q, k, v, key_lengths, scale)
+    mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1])
+    o, lse = BACKENDS[resolve_backend(backend, q.device)](q, k, v, mask, key_lengths, scale)
+    return (o, lse) if return_lse else o

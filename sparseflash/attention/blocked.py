@@ -1,0 +1,164 @@
+"""The FlashAttention-2 loop in plain PyTorch, over the computed tiles only (CPU path).
+
+The mask's row tables (``kv_num_blocks``, ``kv_indices``) are flattened into one list of
+computed tiles ``(head, query block, key block)``; a zero tile is never gathered. Tiles are
+processed in chunks (vectorised over batch and tiles) and merged into each query row with the
+online softmax: a running max ``m``, sum ``l`` and unnormalised output, rescaled once at the end,
+and ``lse = m + log l`` kept for the backward. Memory is O(chunk x tile + the tensors), never
+``S_q x S_kv``. The backward recomputes each tile's probabilities from ``q, k, lse`` and
+scatters ``dQ`` by query block and ``dK, dV`` by key block. Arithmetic is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparseflash.masks import BlockMask, layout_to_tables
+
+SCORE_BYTES_PER_CHUNK = 1 << 26  # bounds the fp32 score tiles held at once
+
+
+class _Tiles:
+    """The computed tiles of a mask for ``H`` query heads, as flat index vectors.
+
+    ``head``, ``q_block``, ``kv_block`` index each tile; ``row = head * n_q + q_block`` names
+    its query-block row; ``kv_head`` is the key/value head it reads (GQA)."""
+
+    def __init__(self, mask: BlockMask, heads: int, kv_heads: int, device):
+        num, idx = layout_to_tables(mask.layout.to(device).expand(heads, -1, -1))
+        n_q, n_kv = mask.layout.shape[1:]
+        slot = torch.arange(n_kv, device=device)
+        self.head, self.q_block, t = (slot < num[..., None]).nonzero(as_tuple=True)
+        self.kv_block = idx[self.head, self.q_block, t].long()
+        self.row = self.head * n_q + self.q_block
+        self.kv_head = self.head // (heads // kv_heads)
+        self.count = self.head.numel()
+
+    def chunks(self, batch: int, block_m: int, block_n: int):
+        size = max(1, SCORE_BYTES_PER_CHUNK // (4 * batch * block_m * block_n))
+        for start in range(0, self.count, size):
+            yield slice(start, start + size)
+
+
+def _as_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """(B, H, S, D) -> fp32 (B, H, n_blocks, block, D), zero-padded past S."""
+    batch, heads, length, dim = x.shape
+    n = -(-length // block)
+    x = torch.nn.functional.pad(x.float(), (0, 0, 0, n * block - length))
+    return x.view(batch, heads, n, block, dim)
+
+
+def _keep(mask: BlockMask, tiles: _Tiles, part: slice, key_lengths, device) -> torch.Tensor:
+    """Bool ``[B|1, c, bm|1, bn]``: which scores of the chunk's tiles are kept."""
+    block_m, block_n = mask.block_size
+    kv_pos = tiles.kv_block[part, None] * block_n + torch.arange(block_n, device=device)  # (c, bn)
+    keep = (kv_pos < mask.kv_len)[None, :, None, :]
+    if mask.causal:
+        q_pos = tiles.q_block[part, None] * block_m + torch.arange(block_m, device=device)  # (c, bm)
+        keep = keep & (q_pos[:, :, None] >= kv_pos[:, None, :])[None]
+    if key_lengths is not None:
+        keep = keep & (kv_pos[None] < key_lengths.to(device)[:, None, None])[:, :, None, :]
+    return keep
+
+
+def _tile_scores(q_blk, k_blk, tiles, part, keep, scale) -> torch.Tensor:
+    """fp32 scores of the chunk's tiles ``[B, c, bm, bn]``, dropped ones ``-inf``."""
+    q_t = q_blk[:, tiles.head[part], tiles.q_block[part]]  # (B, c, bm, D)
+    k_t = k_blk[:, tiles.kv_head[part], tiles.kv_block[part]]  # (B, c, bn, D)
+    return (q_t @ k_t.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+
+
+def _finite(m: torch.Tensor, fill: float) -> torch.Tensor:
+    return torch.where(torch.isinf(m) & (m < 0), torch.full_like(m, fill), m)
+
+
+def blocked_forward(q, k, v, mask: BlockMask, key_lengths, scale):
+    """Returns ``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32."""
+    batch, heads, q_len, dim = q.shape
+    block_m, block_n = mask.block_size
+    n_q = mask.layout.shape[1]
+    tiles = _Tiles(mask, heads, k.shape[1], q.device)
+    q_blk, k_blk, v_blk = _as_blocks(q, block_m), _as_blocks(k, block_n), _as_blocks(v, block_n)
+    m = torch.full((batch, heads * n_q, block_m), float("-inf"), device=q.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(batch, heads * n_q, block_m, dim, device=q.device)
+    for part in tiles.chunks(batch, block_m, block_n):
+        keep = _keep(mask, tiles, part, key_lengths, q.device)
+        s = _tile_scores(q_blk, k_blk, tiles, part, keep, scale)  # (B, c, bm, bn)
+        m_tile = s.amax(-1)
+        p = torch.exp(s - _finite(m_tile, 0.0)[..., None])
+        row = tiles.row[part]
+        m_new = m.scatter_reduce(1, row[None, :, None].expand_as(m_tile), m_tile, "amax")
+        m_ref = _finite(m_new, 0.0)
+        rescale = torch.exp(m - m_ref)
+        weight = torch.exp(m_tile - m_ref[:, row])  # rescales each tile to its row's new max
+        v_t = v_blk[:, tiles.kv_head[part], tiles.kv_block[part]]  # (B, c, bn, D)
+        l = (l * rescale).index_add(1, row, p.sum(-1) * weight)
+        acc = (acc * rescale[..., None]).index_add(1, row, (p @ v_t) * weight[..., None])
+        m = m_new
+    visible = l > 0
+    o = acc / torch.where(visible, l, torch.ones_like(l))[..., None]
+    lse = torch.where(visible, m + torch.log(l), torch.full_like(m, float("-inf")))
+    o = o.view(batch, heads, n_q * block_m, dim)[:, :, :q_len]
+    lse = lse.view(batch, heads, n_q * block_m)[:, :, :q_len]
+    return o.to(q.dtype), lse
+
+
+def blocked_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale):
+    """Gradients ``dq, dk, dv`` (dtypes of the inputs) of a loss through ``o`` and ``lse``."""
+    batch, heads, q_len, dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    block_m, block_n = mask.block_size
+    n_q, n_kv = mask.layout.shape[1:]
+    tiles = _Tiles(mask, heads, kv_heads, q.device)
+    q_blk, k_blk, v_blk = _as_blocks(q, block_m), _as_blocks(k, block_n), _as_blocks(v, block_n)
+    do_blk = _as_blocks(do, block_m)
+    # d lse / d s = p, so a gradient through lse shifts delta = rowsum(o * do).
+    delta = (o.float() * do.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    pad = n_q * block_m - q_len
+    delta = torch.nn.functional.pad(delta, (0, pad)).view(batch, heads * n_q, block_m)
+    lse_blk = torch.nn.functional.pad(_finite(lse, float("inf")), (0, pad)).view(batch, heads * n_q, block_m)
+    dq = torch.zeros(batch, heads * n_q, block_m, dim, device=q.device)
+    dk = torch.zeros(batch, kv_heads * n_kv, block_n, dim, device=q.device)
+    dv = torch.zeros_like(dk)
+    for part in tiles.chunks(batch, block_m, block_n):
+        keep = _keep(mask, tiles, part, key_lengths, q.device)
+        row = tiles.row[part]
+        p = torch.exp(_tile_scores(q_blk, k_blk, tiles, part, keep, scale) - lse_blk[:, row, :, None])
+        k_t = k_blk[:, tiles.kv_head[part], tiles.kv_block[part]]
+        v_t = v_blk[:, tiles.kv_head[part], tiles.kv_block[part]]
+        q_t = q_blk[:, tiles.head[part], tiles.q_block[part]]
+        do_t = do_blk[:, tiles.head[part], tiles.q_block[part]]
+        ds = p * (do_t @ v_t.transpose(-1, -2) - delta[:, row, :, None])  # (B, c, bm, bn)
+        col = tiles.kv_head[part] * n_kv + tiles.kv_block[part]
+        dq.index_add_(1, row, ds @ k_t * scale)
+        dk.index_add_(1, col, ds.transpose(-1, -2) @ q_t * scale)
+        dv.index_add_(1, col, p.transpose(-1, -2) @ do_t)
+    dq = dq.view(batch, heads, n_q * block_m, dim)[:, :, :q_len]
+    dk = dk.view(batch, kv_heads, n_kv * block_n, dim)[:, :, :kv_len]
+    dv = dv.view(batch, kv_heads, n_kv * block_n, dim)[:, :, :kv_len]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class BlockedAttentionFunction(torch.autograd.Function):
+    """Autograd for the blocked loop: saves ``q, k, v, o, lse`` (and the mask)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, key_lengths, scale):
+        o, lse = blocked_forward(q, k, v, mask, key_lengths, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.mask, ctx.key_lengths, ctx.scale = mask, key_lengths, scale
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = blocked_backward(q, k, v, o, lse, do, dlse, ctx.mask, ctx.key_lengths, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def blocked_attention(q, k, v, mask: BlockMask, key_lengths, scale):
+    """``(o, lse)`` through the blocked loop, differentiable in ``q, k, v``."""
+    return BlockedAttentionFunction.apply(q, k, v, mask, key_lengths, scale)

@@ -1,0 +1,49 @@
+"""The oracle: fp32 attention over materialised scores. Obviously correct, never fast.
+
+It defines sparseflash's semantics; every other backend is tested against it:
+- scores ``s = scale * q @ k^T`` in fp32 for each query head; with GQA query head ``h`` reads
+  key/value head ``h // (H // H_kv)``;
+- a score is kept when the mask keeps it (``BlockMask.to_dense()``) and its key index is below
+  ``key_lengths[b]``; dropped scores get no probability;
+- a query row that keeps no score has output 0, log-sum-exp ``-inf`` and zero gradients (never NaN);
+- the output has the dtype of ``q``; ``lse`` (natural log) is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparseflash.masks import BlockMask
+
+
+def allowed_scores(mask: BlockMask, key_lengths: torch.Tensor | None, batch: int, device) -> torch.Tensor:
+    """Element-level bool ``[B or 1, H_or_1, S_q, S_kv]``: True where a score is kept."""
+    allowed = mask.to(device).to_dense()[None]
+    if key_lengths is not None:
+        kv_idx = torch.arange(mask.kv_len, device=device)
+        allowed = allowed & (kv_idx[None, :] < key_lengths.to(device)[:, None])[:, None, None, :]
+    return allowed
+
+
+def reference_attention(
+    q: torch.Tensor,  # (B, H, S_q, D)
+    k: torch.Tensor,  # (B, H_kv, S_kv, D)
+    v: torch.Tensor,  # (B, H_kv, S_kv, D)
+    mask: BlockMask,
+    key_lengths: torch.Tensor | None,  # (B,) int
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32; differentiable."""
+    groups = q.shape[1] // k.shape[1]
+    qf = q.float()
+    kf = k.float().repeat_interleave(groups, dim=1)
+    vf = v.float().repeat_interleave(groups, dim=1)
+    allowed = allowed_scores(mask, key_lengths, q.shape[0], q.device)  # (B|1, H|1, S_q, S_kv)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    empty = ~allowed.any(-1, keepdim=True)  # rows that keep no score
+    s = s.masked_fill(empty, 0.0)  # keeps softmax and its gradient finite on those rows
+    p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
+    o = p @ vf
+    lse = torch.logsumexp(s, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
+    return o.to(q.dtype), lse

@@ -1,0 +1,247 @@
+"""Block-sparsity patterns and their registry.
+
+A pattern is a function ``fn(n_q, n_kv, **params) -> bool [n_q, n_kv]`` from block counts to a
+layout (True = the tile is computed). A pattern that takes a ``head`` keyword is called once per
+head, so it can differ between heads (e.g. a random seed per head). Register one with
+``@register("name")`` and build masks with ``make("name", q_len, block=..., **params)``; that is
+also what the Hydra configs call, so a registered pattern is at once usable from the command line.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from sparseflash.masks.block_mask import BlockMask, normalize_block_size
+
+PatternFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Pattern:
+    name: str
+    fn: PatternFn
+    causal: bool  # the pattern implies the element-level causal predicate
+
+    @property
+    def per_head(self) -> bool:
+        return "head" in inspect.signature(self.fn).parameters
+
+    @property
+    def params(self) -> list[str]:
+        """Keyword parameters a user may set (``head`` is supplied by ``make``)."""
+        return [p for p in inspect.signature(self.fn).parameters if p not in ("n_q", "n_kv", "head")]
+
+
+_REGISTRY: dict[str, Pattern] = {}
+
+
+def register(name: str, *, causal: bool = False) -> Callable[[PatternFn], PatternFn]:
+    """Decorator adding ``fn(n_q, n_kv, **params) -> bool [n_q, n_kv]`` to the registry.
+
+    ``causal=True`` marks patterns that imply the causal predicate (``make`` then sets it)."""
+
+    def decorate(fn: PatternFn) -> PatternFn:
+        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
+            raise ValueError(f"pattern {name!r} is already registered (by {_REGISTRY[name].fn.__module__})")
+        _REGISTRY[name] = Pattern(name, fn, causal)
+        return fn
+
+    return decorate
+
+
+def registered() -> list[str]:
+    """Names of the registered patterns, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get(name: str) -> Pattern:
+    """The registered pattern ``name``; an unknown name lists the known ones."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown pattern {name!r}; registered patterns: {', '.join(registered())}")
+    return _REGISTRY[name]
+
+
+def _call_pattern(pattern: Pattern, n_q: int, n_kv: int, params: dict, head: int | None) -> torch.Tensor:
+    kwargs = dict(params, head=head) if head is not None else dict(params)
+    try:
+        inspect.signature(pattern.fn).bind(n_q, n_kv, **kwargs)
+    except TypeError as err:
+        raise ValueError(
+            f"pattern {pattern.name!r} takes parameters {pattern.params}; got {sorted(params)} ({err})"
+        ) from None
+    layout = torch.as_tensor(pattern.fn(n_q, n_kv, **kwargs))
+    if layout.shape != (n_q, n_kv) or layout.dtype != torch.bool:
+        raise ValueError(
+            f"pattern {pattern.name!r} must return a bool tensor of shape ({n_q}, {n_kv}); "
+            f"got {layout.dtype} {tuple(layout.shape)}"
+        )
+    return layout
+
+
+def make(
+    name: str,
+    q_len: int,
+    kv_len: int | None = None,
+    block: int | tuple[int, int] = 128,
+    heads: int | None = None,
+    causal: bool = False,
+    **params,
+) -> BlockMask:
+    """Build the registered pattern ``name`` as a ``BlockMask``.
+
+    Args:
+        q_len, kv_len: sequence lengths (``kv_len`` defaults to ``q_len``); need not be multiples
+            of the block.
+        block: ``SPARSE_BLOCK_M`` and ``SPARSE_BLOCK_N`` (an int sets both).
+        heads: for a per-head pattern (one taking ``head``), build ``[heads, n_q, n_kv]``; other
+            patterns are shared by every head (layout ``[1, n_q, n_kv]``).
+        causal: apply ``q_idx >= kv_idx`` inside tiles (always on for causal patterns).
+        **params: the pattern's own parameters.
+    """
+    pattern = get(name)
+    kv_len = q_len if kv_len is None else kv_len
+    block_m, block_n = normalize_block_size(block)
+    n_q, n_kv = -(-q_len // block_m), -(-kv_len // block_n)
+    if heads is not None and pattern.per_head:
+        layout = torch.stack([_call_pattern(pattern, n_q, n_kv, params, h) for h in range(heads)])
+    else:
+        layout = _call_pattern(pattern, n_q, n_kv, params, 0 if pattern.per_head else None)[None]
+    return BlockMask(layout, (block_m, block_n), q_len, kv_len, causal=causal or pattern.causal)
+
+
+def from_layout(
+    layout: torch.Tensor,
+    block: int | tuple[int, int] = 128,
+    q_len: int | None = None,
+    kv_len: int | None = None,
+    causal: bool = False,
+) -> BlockMask:
+    """A ``BlockMask`` from an explicit bool layout ``[n_q, n_kv]`` or ``[H, n_q, n_kv]``."""
+    return BlockMask(layout, block, q_len, kv_len, causal)
+
+
+def from_block_fn(
+    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    q_len: int,
+    kv_len: int | None = None,
+    block: int | tuple[int, int] = 128,
+    heads: int | None = None,
+    causal: bool = False,
+) -> BlockMask:
+    """A ``BlockMask`` from a predicate on block indices, called once on broadcast index tensors.
+
+    ``fn(h, i, j)`` gets ``h [H,1,1]``, ``i [1,n_q,1]``, ``j [1,1,n_kv]`` (``H = heads or 1``) and
+    returns a bool tensor broadcastable to ``[H, n_q, n_kv]``, e.g.
+    ``from_block_fn(lambda h, i, j: (i - j).abs() <= 2, q_len=4096)``.
+    """
+    kv_len = q_len if kv_len is None else kv_len
+    block_m, block_n = normalize_block_size(block)
+    n_q, n_kv = -(-q_len // block_m), -(-kv_len // block_n)
+    h = torch.arange(heads or 1)[:, None, None]
+    i = torch.arange(n_q)[None, :, None]
+    j = torch.arange(n_kv)[None, None, :]
+    layout = torch.as_tensor(fn(h, i, j)).expand(heads or 1, n_q, n_kv)
+    return BlockMask(layout.clone(), (block_m, block_n), q_len, kv_len, causal)
+
+
+# ---------------------------------------------------------------------------- built-in patterns
+def _grid(n_q: int, n_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.arange(n_q)[:, None], torch.arange(n_kv)[None, :]
+
+
+def _generator(seed: int, head: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(head))
+
+
+def _global(n_q: int, n_kv: int, global_blocks: int) -> torch.Tensor:
+    """The first ``global_blocks`` rows and columns."""
+    i, j = _grid(n_q, n_kv)
+    return (i < global_blocks) | (j < global_blocks)
+
+
+def _window(n_q: int, n_kv: int, window: int) -> torch.Tensor:
+    i, j = _grid(n_q, n_kv)
+    return (i - j).abs() <= window
+
+
+@register("dense")
+def dense(n_q: int, n_kv: int) -> torch.Tensor:
+    """Every tile."""
+    return torch.ones(n_q, n_kv, dtype=torch.bool)
+
+
+@register("causal", causal=True)
+def causal(n_q: int, n_kv: int) -> torch.Tensor:
+    """Every tile, with the causal predicate (the mask drops tiles above the diagonal)."""
+    return torch.ones(n_q, n_kv, dtype=torch.bool)
+
+
+@register("butterfly")
+def butterfly(n_q: int, n_kv: int, factors: int | None = None, global_blocks: int = 0) -> torch.Tensor:
+    """Flat butterfly: tile (i, j) when ``j == i`` or ``i XOR j == 2**f`` for ``f < factors``.
+
+    ``factors=None`` keeps every factor (``log2`` of the block count, rounded up); with ``n`` a
+    power of two each row then has ``factors + 1`` tiles and the layout is symmetric.
+    ``global_blocks`` adds that many global rows and columns."""
+    n_factors = max(n_q, n_kv, 2).bit_length() if factors is None else int(factors)
+    if n_factors < 0:
+        raise ValueError(f"butterfly factors must be >= 0; got {factors}")
+    i, j = _grid(n_q, n_kv)
+    x = i ^ j
+    is_power_of_two = (x > 0) & ((x & (x - 1)) == 0) & (x < (1 << n_factors))
+    return (x == 0) | is_power_of_two | _global(n_q, n_kv, global_blocks)
+
+
+@register("local")
+def local(n_q: int, n_kv: int, window: int = 1) -> torch.Tensor:
+    """Sliding window: tile (i, j) when ``|i - j| <= window`` (in blocks, on each side).
+
+    With ``causal=True`` in ``make`` only the window's past half and the diagonal remain."""
+    if window < 0:
+        raise ValueError(f"local window must be >= 0 blocks; got {window}")
+    return _window(n_q, n_kv, window)
+
+
+@register("strided")
+def strided(n_q: int, n_kv: int, stride: int = 4, summary: int = 1) -> torch.Tensor:
+    """Sparse Transformer "fixed": tiles in the query's own chunk of ``stride`` blocks, plus the
+    last ``summary`` blocks of every chunk (the summary columns every query reads)."""
+    if stride < 1 or not 1 <= summary <= stride:
+        raise ValueError(f"strided needs stride >= 1 and 1 <= summary <= stride; got {stride}, {summary}")
+    i, j = _grid(n_q, n_kv)
+    return (i // stride == j // stride) | (j % stride >= stride - summary)
+
+
+@register("longformer")
+def longformer(n_q: int, n_kv: int, window: int = 1, global_blocks: int = 1) -> torch.Tensor:
+    """Sliding window of ``window`` blocks each side plus ``global_blocks`` global rows/columns."""
+    return _window(n_q, n_kv, window) | _global(n_q, n_kv, global_blocks)
+
+
+@register("bigbird")
+def bigbird(
+    n_q: int, n_kv: int, window: int = 1, global_blocks: int = 1, random_blocks: int = 2,
+    seed: int = 0, head: int = 0,
+) -> torch.Tensor:
+    """BigBird: window + global + ``random_blocks`` seeded random tiles per row (per head)."""
+    layout = _window(n_q, n_kv, window) | _global(n_q, n_kv, global_blocks)
+    scores = torch.rand(n_q, n_kv, generator=_generator(seed, head))
+    picks = scores.argsort(-1)[:, : min(random_blocks, n_kv)]
+    return layout.scatter(1, picks, True)
+
+
+@register("random")
+def random(n_q: int, n_kv: int, density: float = 0.25, seed: int = 0, head: int = 0) -> torch.Tensor:
+    """Seeded random tiles: ``round(density * n_kv)`` per row (at least 1), the diagonal kept."""
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"random density must be in (0, 1]; got {density}")
+    per_row = max(1, round(density * n_kv))
+    i, j = _grid(n_q, n_kv)
+    scores = torch.rand(n_q, n_kv, generator=_generator(seed, head))
+    scores = torch.where(i == j, torch.full_like(scores, -1.0), scores)  # the diagonal goes first
+    picks = scores.argsort(-1)[:, :per_row]
+    return torch.zeros(n_q, n_kv, dtype=torch.bool).scatter(1, picks, True)
