@@ -20,7 +20,14 @@ MAX_HEAD_DIM = 256
 DEFAULT_BLOCK = 128  # mask block of the masks built for mask=None and mask="causal"
 
 
+def _triton_attention(q, k, v, mask, key_lengths, scale):
+    from sparseflash.attention.triton import triton_attention  # imports triton only when used
+
+    return triton_attention(q, k, v, mask, key_lengths, scale)
+
+
 BACKENDS: dict[str, Backend] = {
+    "triton": _triton_attention,
     "reference": reference_attention,
     "blocked": blocked_attention,
 }
@@ -29,7 +36,7 @@ BACKENDS: dict[str, Backend] = {
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The concrete backend name: ``auto`` is ``triton`` on CUDA and ``blocked`` elsewhere."""
     if backend == "auto":
-        return "triton" if device.type == "cuda" and "triton" in BACKENDS else "blocked"
+        return "triton" if device.type == "cuda" else "blocked"
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of: auto, {', '.join(BACKENDS)}")
     return backend

@@ -68,10 +68,11 @@ def layout_to_tables(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row tables of a bool layout ``[..., n_rows, n_cols]``.
 
     Returns ``num_blocks [..., n_rows]`` and ``indices [..., n_rows, n_cols]`` (int32), the
-    column indices of the True entries first and in ascending order.
+    column indices of the True entries first and in ascending order; both contiguous (the
+    kernels step through a row with unit stride).
     """
-    num_blocks = layout.sum(-1, dtype=torch.int32)
-    indices = torch.argsort((~layout).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    num_blocks = layout.sum(-1, dtype=torch.int32).contiguous()
+    indices = torch.argsort((~layout).to(torch.int8), dim=-1, stable=True).to(torch.int32).contiguous()
     return num_blocks, indices
 
 

@@ -1,0 +1,5 @@
+"""Triton FlashAttention-2 kernels specialised for DENSE, CAUSAL and SPARSE block masks."""
+
+from sparseflash.attention.triton.function import triton_attention
+
+__all__ = ["triton_attention"]

@@ -1,0 +1,294 @@
+"""FlashAttention-2 backward: preprocess, dK/dV and dQ kernels, deterministic (no atomics).
+
+Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N,
+SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION), and
+  HAS_DLSE  the loss also depends on lse: d lse / d s = p, so delta becomes rowsum(o * do) - dlse.
+
+The scores are recomputed from q, k and lse (p = exp2(s * scale * log2 e - lse * log2 e)), never
+stored. Rows that saw no key have lse = -inf; they are read as +inf so that their p is 0.
+- preprocess: delta = rowsum(o * do) (- dlse), one program per query tile.
+- dK/dV: one program per key tile of one key/value head; it walks the column tables (or the
+  DENSE / CAUSAL ranges) of every query head of its GQA group, so nothing is accumulated across
+  programs. Keys past key_lengths[b] get zero gradients at the store.
+- dQ: one program per query tile, walking the same row ranges as the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparseflash.attention.triton import configs
+from sparseflash.attention.triton.forward import KernelInputs, row_tile_ranges, strides, tile_start
+
+
+@triton.jit(do_not_specialize=["q_len"])
+def _bwd_preprocess(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, stride_od,
+                    stride_dob, stride_doh, stride_dom, stride_dod, heads, q_len, head_dim,
+                    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_bounds = (offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim)
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                mask=in_bounds, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=in_bounds, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + bh * q_len + offs_m, mask=offs_m < q_len, other=0.0)
+    tl.store(DELTA + bh * q_len + offs_m, delta, mask=offs_m < q_len)
+
+
+@triton.jit
+def _load_row_stats(LSE, DELTA, row_off, offs_m, q_len):
+    """lse in base 2 (+inf for rows that saw no key and rows past q_len) and delta."""
+    lse = tl.load(LSE + row_off + offs_m, mask=offs_m < q_len, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < q_len, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def _col_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, start_n, n_q_tiles,
+                     stride_num_h, stride_num_n, stride_idx_h, stride_idx_n,
+                     MASK_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
+    """Query tiles that see the key tile at start_n, as an unmasked and a masked run.
+
+    Returns (full_idx, full_lo, full_hi, part_idx, part_lo, part_hi). SPARSE counts tiles of the
+    blocks in its column tables; CAUSAL masks the query tiles that straddle the diagonal and
+    leaves those wholly below it unmasked; DENSE reads every query tile unmasked."""
+    if MASK_KIND == 2:
+        tiles_per_block: tl.constexpr = SPARSE_BLOCK_M // BLOCK_M
+        mask_col = start_n // SPARSE_BLOCK_N
+        num_off = h * stride_num_h + mask_col * stride_num_n
+        idx_off = h * stride_idx_h + mask_col * stride_idx_n
+        full_hi = tl.load(FULL_NUM + num_off) * tiles_per_block
+        part_hi = tl.load(PART_NUM + num_off) * tiles_per_block
+        return FULL_IDX + idx_off, 0, full_hi, PART_IDX + idx_off, 0, part_hi
+    elif MASK_KIND == 1:
+        diagonal_end = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M), n_q_tiles)
+        return FULL_IDX, diagonal_end, n_q_tiles, PART_IDX, start_n // BLOCK_M, diagonal_end
+    else:
+        return FULL_IDX, 0, n_q_tiles, PART_IDX, 0, 0
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
+                stride_qm, stride_qd, stride_dom, stride_dod, t_lo, t_hi, idx_ptr,
+                offs_n, offs_d, q_len, head_dim, qk_scale,
+                FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                SPARSE_BLOCK_M: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dK, dV of one key tile over query tiles t_lo..t_hi-1 (transposed scores)."""
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for t in range(t_lo, t_hi):
+        offs_m = tile_start(t, idx_ptr, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M) + offs_m0
+        q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
+        rows_in = (offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim)
+        q = tl.load(q_ptrs, mask=rows_in, other=0.0)
+        do = tl.load(do_ptrs, mask=rows_in, other=0.0)
+        lse, delta = _load_row_stats(LSE, DELTA, row_off, offs_m, q_len)
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BN, BM)
+        if APPLY_CAUSAL:
+            s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, float("-inf"))
+        p_t = tl.math.exp2(s_t - lse[None, :])
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["q_len", "kv_len"])
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LENGTHS,
+    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_num_h, stride_num_n, stride_idx_h, stride_idx_n,
+    heads, groups, q_len, kv_len, head_dim, qk_scale, scale,
+    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
+    tl.static_assert(SPARSE_BLOCK_N % BLOCK_N == 0, "BLOCK_N must divide SPARSE_BLOCK_N")
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    kv_heads = heads // groups
+    b = bhk // kv_heads
+    hk = bhk % kv_heads
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_in = (offs_n[:, None] < kv_len) & (offs_d[None, :] < head_dim)
+    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=kv_in, other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=kv_in, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    WALK_TABLES: tl.constexpr = MASK_KIND == 2
+    n_q_tiles = tl.cdiv(q_len, BLOCK_M)
+    for g in range(groups):
+        h = hk * groups + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        row_off = (b * heads + h) * q_len
+        full_idx, full_lo, full_hi, part_idx, part_lo, part_hi = _col_tile_ranges(
+            FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, start_n, n_q_tiles,
+            stride_num_h, stride_num_n, stride_idx_h, stride_idx_n,
+            MASK_KIND, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
+                             stride_qm, stride_qd, stride_dom, stride_dod, full_lo, full_hi, full_idx,
+                             offs_n, offs_d, q_len, head_dim, qk_scale,
+                             WALK_TABLES, False, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
+                             stride_qm, stride_qd, stride_dom, stride_dod, part_lo, part_hi, part_idx,
+                             offs_n, offs_d, q_len, head_dim, qk_scale,
+                             WALK_TABLES, IS_CAUSAL, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION)
+    kv_bound = kv_len
+    if HAS_KEY_LENGTHS:
+        kv_bound = tl.minimum(kv_bound, tl.load(KEY_LENGTHS + b).to(tl.int32))
+    visible = offs_n[:, None] < kv_bound  # masked keys get exactly zero gradient
+    dk = tl.where(visible, dk * scale, 0.0)
+    dv = tl.where(visible, dv, 0.0)
+    out = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=kv_in)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_in)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+              t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
+              FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
+              BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """Accumulate dQ of one query tile over key tiles t_lo..t_hi-1."""
+    for t in range(t_lo, t_hi):
+        offs_kv = tile_start(t, idx_ptr, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
+        k_ptrs = k_base + offs_kv[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (D, BN)
+        v_ptrs = v_base + offs_kv[None, :] * stride_vn + offs_d[:, None] * stride_vd  # (D, BN)
+        if APPLY_KV_BOUND or D_PADDED:
+            kv_in = (offs_kv[None, :] < kv_bound) & (offs_d[:, None] < head_dim)
+            k_t = tl.load(k_ptrs, mask=kv_in, other=0.0)
+            v_t = tl.load(v_ptrs, mask=kv_in, other=0.0)
+        else:
+            k_t = tl.load(k_ptrs)
+            v_t = tl.load(v_ptrs)
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        if APPLY_CAUSAL or APPLY_KV_BOUND:
+            keep = offs_kv[None, :] < kv_bound
+            if APPLY_CAUSAL:
+                keep = keep & (offs_m[:, None] >= offs_kv[None, :])
+            s = tl.where(keep, s, float("-inf"))
+        p = tl.math.exp2(s - lse[:, None])
+        dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["q_len", "kv_len"])
+def _attn_bwd_dq(
+    Q, K, V, DO, LSE, DELTA, DQ, KEY_LENGTHS,
+    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+    heads, groups, q_len, kv_len, head_dim, qk_scale, scale,
+    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
+    tl.static_assert(SPARSE_BLOCK_N % BLOCK_N == 0, "BLOCK_N must divide SPARSE_BLOCK_N")
+    q_start = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows_in = (offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=rows_in, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=rows_in, other=0.0)
+    lse, delta = _load_row_stats(LSE, DELTA, bh * q_len, offs_m, q_len)
+    k_base = K + b * stride_kb + (h // groups) * stride_kh
+    v_base = V + b * stride_vb + (h // groups) * stride_vh
+    kv_bound = kv_len
+    if HAS_KEY_LENGTHS:
+        kv_bound = tl.minimum(kv_bound, tl.load(KEY_LENGTHS + b).to(tl.int32))
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    WALK_TABLES: tl.constexpr = MASK_KIND == 2
+    FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
+    full_idx, full_hi, part_idx, part_lo, part_hi = row_tile_ranges(
+        FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound,
+        stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+        MASK_KIND, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                   0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
+                   WALK_TABLES, False, FULL_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                   part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
+                   WALK_TABLES, IS_CAUSAL, True, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION)
+    out = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+    tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=rows_in)
+
+
+# ---------------------------------------------------------------------------------- launchers
+PREPROCESS_BLOCK_M = 64
+
+
+def attention_backward(q, k, v, o, lse, do, dlse, inputs: KernelInputs):
+    """``dq, dk, dv`` (dtypes and shapes of q, k, v) for the gradients ``do`` of o and ``dlse`` of lse."""
+    batch, heads, q_len = inputs.batch, inputs.heads, inputs.q_len
+    delta = torch.empty_like(lse)
+    has_dlse = dlse is not None
+    _bwd_preprocess[(triton.cdiv(q_len, PREPROCESS_BLOCK_M), batch * heads)](
+        o, do, dlse.contiguous() if has_dlse else lse, delta, *strides(o), *strides(do),
+        heads, q_len, inputs.head_dim,
+        HAS_DLSE=has_dlse, BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM=inputs.padded_dim,
+    )
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    shared = (inputs.heads, inputs.groups, q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale, inputs.scale)
+
+    def launch_dkdv(cfg: configs.KernelConfig) -> None:
+        grid = (triton.cdiv(inputs.kv_len, cfg.block_n), batch * inputs.kv_heads)
+        cols = inputs.tables_of("q")
+        _attn_bwd_dkdv[grid](
+            q, k, v, do, lse, delta, dk, dv, inputs.key_lengths, *cols[:4],
+            *strides(q), *strides(k), *strides(v), *strides(do), *strides(dk), *cols[4:], *shared,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **inputs.flags(),
+        )
+
+    def launch_dq(cfg: configs.KernelConfig) -> None:
+        grid = (triton.cdiv(q_len, cfg.block_m), batch * heads)
+        rows = inputs.tables_of("kv")
+        _attn_bwd_dq[grid](
+            q, k, v, do, lse, delta, dq, inputs.key_lengths, *rows[:4],
+            *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), *rows[4:], *shared,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **inputs.flags(),
+        )
+
+    configs.run_tuned("dkdv", inputs.config_key, launch_dkdv)
+    configs.run_tuned("dq", inputs.config_key, launch_dq)
+    return dq, dk, dv

@@ -1,0 +1,158 @@
+"""Tile sizes, warps and stages per (kernel, head_dim, dtype, mask kind, GPU): tuned and cached.
+
+On first use of a key, each candidate config is timed on the real inputs (median of
+``triton.testing.do_bench``) and the fastest kept, in memory and in
+``$SPARSEFLASH_CACHE_DIR/tuning.json`` (default ``~/.cache/sparseflash``), keyed by GPU name and
+Triton version. Sequence lengths are not part of the key and are not specialised on, so a new
+length neither re-tunes nor recompiles. Under the interpreter (``TRITON_INTERPRET=1``) no tuning
+runs: small tiles keep the CPU tests fast and exercise several tiles per mask block.
+Set ``SPARSEFLASH_TUNE=0`` to skip tuning and take each list's first candidate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int  # query rows of a tile
+    block_n: int  # key rows of a tile
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    head_dim: int  # padded to a power of two >= 16
+    dtype: str
+    kind: str
+    sparse_block: tuple[int, int]
+    causal: bool
+    device: str
+
+    @classmethod
+    def of(cls, q: torch.Tensor, mask, padded_dim: int) -> "ConfigKey":
+        device = torch.cuda.get_device_name(q.device) if q.is_cuda else "interpreter"
+        return cls(padded_dim, str(q.dtype).removeprefix("torch."), mask.kind.name,
+                   tuple(mask.block_size), mask.causal, device)
+
+    @property
+    def dot_precision(self) -> str:
+        """fp32 inputs use TF32 tensor-core dots on the GPU (exact IEEE in the interpreter)."""
+        return "tf32" if self.dtype == "float32" and not interpreting() else "ieee"
+
+    def __str__(self) -> str:
+        return "|".join(str(v) for v in asdict(self).values()) + f"|triton-{triton.__version__}"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _configs(*rows: tuple[int, int, int, int]) -> list[KernelConfig]:
+    return [KernelConfig(*row) for row in rows]
+
+
+# Candidates per kernel and padded head dim, best guess first. forward/dq: (BLOCK_M queries
+# held, BLOCK_N keys streamed); dkdv: (BLOCK_M queries streamed, BLOCK_N keys held).
+CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
+    "forward": {
+        64: _configs((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)),
+        128: _configs((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)),
+        256: _configs((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
+    },
+    "dq": {
+        64: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)),
+        128: _configs((128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)),
+        256: _configs((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)),
+    },
+    "dkdv": {
+        64: _configs((64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)),
+        128: _configs((64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3)),
+        256: _configs((64, 64, 4, 2), (32, 64, 4, 2), (32, 128, 8, 2)),
+    },
+}
+INTERPRETER_TILE = 32
+
+_chosen: dict[str, KernelConfig] = {}
+
+
+def candidates(kernel: str, key: ConfigKey) -> list[KernelConfig]:
+    """The configs to try, tiles clamped to divide the mask blocks, duplicates removed."""
+    sparse_m, sparse_n = key.sparse_block
+    if interpreting():
+        return [KernelConfig(min(INTERPRETER_TILE, sparse_m), min(INTERPRETER_TILE, sparse_n), 4, 1)]
+    table = CANDIDATES[kernel]
+    head_dim = min((d for d in table if d >= key.head_dim), default=max(table))
+    out: list[KernelConfig] = []
+    for cfg in table[head_dim]:
+        cfg = KernelConfig(min(cfg.block_m, sparse_m), min(cfg.block_n, sparse_n), cfg.num_warps, cfg.num_stages)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("SPARSEFLASH_CACHE_DIR", os.path.join(Path.home(), ".cache", "sparseflash"))
+    return Path(root) / "tuning.json"
+
+
+def _load_disk_cache() -> dict[str, dict]:
+    try:
+        return json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_choice(name: str, cfg: KernelConfig) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cache = _load_disk_cache()
+        cache[name] = asdict(cfg)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home only costs re-tuning in the next process
+
+
+def _tune(launch: Callable[[KernelConfig], None], options: list[KernelConfig]) -> KernelConfig:
+    from triton.testing import do_bench
+
+    timings = {}
+    for cfg in options:
+        try:
+            timings[cfg] = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+        except triton.runtime.errors.OutOfResources:
+            continue  # e.g. more shared memory than the GPU has
+    if not timings:
+        raise RuntimeError(f"no kernel config fits this GPU; tried {options}")
+    return min(timings, key=timings.get)
+
+
+def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], None]) -> KernelConfig:
+    """Launch ``kernel`` with the tuned config for ``key`` (tuning it on first use)."""
+    name = f"{kernel}|{key}"
+    cfg = _chosen.get(name)
+    if cfg is None:
+        options = candidates(kernel, key)
+        stored = _load_disk_cache().get(name)
+        if stored is not None and KernelConfig(**stored) in options:
+            cfg = KernelConfig(**stored)
+        elif len(options) == 1 or os.environ.get("SPARSEFLASH_TUNE", "1") == "0":
+            cfg = options[0]
+        else:
+            cfg = _tune(launch, options)
+            _save_choice(name, cfg)
+        _chosen[name] = cfg
+    launch(cfg)
+    return cfg

@@ -1,0 +1,234 @@
+"""FlashAttention-2 forward for DENSE, CAUSAL and SPARSE block masks.
+
+Constexpr flags (one kernel body, specialised by the compiler):
+  MASK_KIND       0 DENSE: every key tile; only the ragged tail (and key_lengths) is masked.
+                  1 CAUSAL: tiles below the diagonal unmasked, diagonal tiles masked, none above.
+                  2 SPARSE: walk the row tables; full blocks unmasked, partial blocks masked.
+  IS_CAUSAL       apply q_idx >= kv_idx in masked tiles (top-left alignment).
+  HAS_KEY_LENGTHS key_lengths[b] bounds the keys of batch b (SPARSE full blocks mask it too).
+  BLOCK_M/BLOCK_N kernel tile (queries/keys); each divides SPARSE_BLOCK_M/SPARSE_BLOCK_N.
+  HEAD_DIM        head dim padded to a power of two >= 16; D_PADDED: the real one is smaller.
+  DOT_PRECISION   tl.dot input precision ("tf32" for fp32 inputs, "ieee" in the interpreter).
+
+The softmax runs in base 2: scores are scaled by scale * log2(e), the running max m and sum l
+are kept per row and the output is divided by l once at the end; lse = (m + log2 l) * ln 2.
+A row that sees no key keeps m = -inf, l = 0 and stores o = 0, lse = -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparseflash.attention.triton import configs
+from sparseflash.masks import BlockMask, MaskKind
+
+LOG2E = 1.4426950408889634
+KIND_CODES = {MaskKind.DENSE: 0, MaskKind.CAUSAL: 1, MaskKind.SPARSE: 2}
+
+
+@triton.jit
+def tile_start(t, idx_ptr, FROM_TABLE: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
+    """First key index of tile ``t``: ``t * BLOCK_N``, or the t-th tile of the blocks listed at idx_ptr."""
+    if FROM_TABLE:
+        tiles_per_block: tl.constexpr = SPARSE_BLOCK_N // BLOCK_N
+        block = tl.load(idx_ptr + t // tiles_per_block)
+        return block * SPARSE_BLOCK_N + (t % tiles_per_block) * BLOCK_N
+    else:
+        return t * BLOCK_N
+
+
+@triton.jit
+def row_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound,
+                    stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+                    MASK_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
+    """Key tiles of the query tile at q_start, as an unmasked run and a masked run.
+
+    Returns (full_idx, full_hi, part_idx, part_lo, part_hi): tiles [0, full_hi) need no element
+    mask, tiles [part_lo, part_hi) do. SPARSE counts tiles of the blocks listed in its row
+    tables; DENSE and CAUSAL count tiles from key 0 and read no table."""
+    if MASK_KIND == 2:
+        tiles_per_block: tl.constexpr = SPARSE_BLOCK_N // BLOCK_N
+        mask_row = q_start // SPARSE_BLOCK_M
+        num_off = h * stride_num_h + mask_row * stride_num_m
+        idx_off = h * stride_idx_h + mask_row * stride_idx_m
+        full_hi = tl.load(FULL_NUM + num_off) * tiles_per_block
+        part_hi = tl.load(PART_NUM + num_off) * tiles_per_block
+        return FULL_IDX + idx_off, full_hi, PART_IDX + idx_off, 0, part_hi
+    else:
+        if MASK_KIND == 1:  # key tiles wholly at or below the tile's first row need no mask
+            full_hi = tl.minimum(q_start + 1, kv_bound) // BLOCK_N
+            masked_end = tl.minimum(kv_bound, q_start + BLOCK_M)
+        else:
+            full_hi = kv_bound // BLOCK_N
+            masked_end = kv_bound
+        return FULL_IDX, full_hi, PART_IDX, full_hi, tl.cdiv(masked_end, BLOCK_N)
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
+               FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
+               BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """Online softmax over key tiles t_lo..t_hi-1 of one query tile."""
+    for t in range(t_lo, t_hi):
+        start_n = tile_start(t, idx_ptr, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
+        offs_kv = start_n + offs_n
+        k_ptrs = k_base + offs_kv[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (D, BN)
+        v_ptrs = v_base + offs_kv[:, None] * stride_vn + offs_d[None, :] * stride_vd  # (BN, D)
+        if APPLY_KV_BOUND or D_PADDED:
+            kv_in = offs_kv < kv_bound
+            d_in = offs_d < head_dim
+            k = tl.load(k_ptrs, mask=kv_in[None, :] & d_in[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=kv_in[:, None] & d_in[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if APPLY_CAUSAL or APPLY_KV_BOUND:
+            keep = offs_kv[None, :] < kv_bound
+            if APPLY_CAUSAL:
+                keep = keep & (offs_m[:, None] >= offs_kv[None, :])
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = m_new
+        p = tl.math.exp2(s - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["q_len", "kv_len"])
+def _attn_fwd(
+    Q, K, V, O, LSE, KEY_LENGTHS,
+    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+    heads, groups, q_len, kv_len, head_dim, qk_scale,
+    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
+    tl.static_assert(SPARSE_BLOCK_N % BLOCK_N == 0, "BLOCK_N must divide SPARSE_BLOCK_N")
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    q_start = start_m * BLOCK_M
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim), other=0.0)
+    k_base = K + b * stride_kb + (h // groups) * stride_kh
+    v_base = V + b * stride_vb + (h // groups) * stride_vh
+
+    kv_bound = kv_len
+    if HAS_KEY_LENGTHS:
+        kv_bound = tl.minimum(kv_bound, tl.load(KEY_LENGTHS + b).to(tl.int32))
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # SPARSE full blocks may still straddle key_lengths[b]; DENSE/CAUSAL runs stop before it.
+    WALK_TABLES: tl.constexpr = MASK_KIND == 2
+    FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
+    full_idx, full_hi, part_idx, part_lo, part_hi = row_tile_ranges(
+        FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound,
+        stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+        MASK_KIND, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
+        WALK_TABLES, False, FULL_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
+        WALK_TABLES, IS_CAUSAL, True, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION)
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln 2
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim))
+    tl.store(LSE + bh * q_len + offs_m, lse, mask=offs_m < q_len)
+
+
+# ---------------------------------------------------------------------------------- launcher
+class KernelInputs:
+    """What every kernel launch of one attention call shares: shapes, mask tables and flags."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, key_lengths, scale: float):
+        self.batch, self.heads, self.q_len, self.head_dim = q.shape
+        self.kv_heads, self.kv_len = k.shape[1], k.shape[2]
+        self.groups = self.heads // self.kv_heads
+        self.mask, self.scale, self.qk_scale = mask, scale, scale * LOG2E
+        self.padded_dim = max(16, triton.next_power_of_2(self.head_dim))
+        self.has_key_lengths = key_lengths is not None
+        self.key_lengths = (key_lengths.to(torch.int32).contiguous() if self.has_key_lengths
+                            else torch.empty(1, dtype=torch.int32, device=q.device))
+        self.tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
+        self.config_key = configs.ConfigKey.of(q, mask, self.padded_dim)
+
+    def tables_of(self, side: str) -> tuple:
+        """``side`` "kv" (row tables) or "q" (column tables): full num/idx, partial num/idx and
+        the (head, row) strides of num and idx; the head stride is 0 for a shared layout."""
+        if self.tables is None:  # DENSE and CAUSAL kernels read no table
+            dummy = self.key_lengths
+            return dummy, dummy, dummy, dummy, 0, 0, 0, 0
+        t = self.tables
+        full_num, full_idx = getattr(t, f"full_{side}_num_blocks"), getattr(t, f"full_{side}_indices")
+        part_num, part_idx = getattr(t, f"partial_{side}_num_blocks"), getattr(t, f"partial_{side}_indices")
+        shared = full_num.shape[0] == 1
+        return (full_num, full_idx, part_num, part_idx,
+                0 if shared else full_num.stride(0), full_num.stride(1),
+                0 if shared else full_idx.stride(0), full_idx.stride(1))
+
+    def flags(self) -> dict:
+        """Constexpr flags shared by the forward and backward kernels."""
+        return dict(
+            MASK_KIND=KIND_CODES[self.mask.kind], IS_CAUSAL=self.mask.causal,
+            HAS_KEY_LENGTHS=self.has_key_lengths,
+            SPARSE_BLOCK_M=self.mask.block_size[0], SPARSE_BLOCK_N=self.mask.block_size[1],
+            HEAD_DIM=self.padded_dim, D_PADDED=self.padded_dim != self.head_dim,
+            DOT_PRECISION=self.config_key.dot_precision,
+        )
+
+
+def strides(x: torch.Tensor) -> tuple[int, int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2), x.stride(3)
+
+
+def attention_forward(q, k, v, inputs: KernelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32."""
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+
+    def launch(cfg: configs.KernelConfig) -> None:
+        grid = (triton.cdiv(inputs.q_len, cfg.block_m), inputs.batch * inputs.heads)
+        _attn_fwd[grid](
+            q, k, v, o, lse, inputs.key_lengths, *inputs.tables_of("kv")[:4],
+            *strides(q), *strides(k), *strides(v), *strides(o), *inputs.tables_of("kv")[4:],
+            inputs.heads, inputs.groups, inputs.q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **inputs.flags(),
+        )
+
+    configs.run_tuned("forward", inputs.config_key, launch)
+    return o, lse

@@ -1,0 +1,32 @@
+"""``torch.autograd.Function`` tying the Triton forward and backward kernels together."""
+
+from __future__ import annotations
+
+import torch
+
+from sparseflash.attention.triton.backward import attention_backward
+from sparseflash.attention.triton.forward import KernelInputs, attention_forward
+from sparseflash.masks import BlockMask
+
+
+class TritonAttentionFunction(torch.autograd.Function):
+    """Saves only ``q, k, v, o, lse`` (and the mask, key_lengths, scale as attributes)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask: BlockMask, key_lengths, scale: float):
+        inputs = KernelInputs(q, k, mask, key_lengths, scale)
+        o, lse = attention_forward(q, k, v, inputs)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.inputs = inputs
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(q, k, v, o, lse, do, dlse, ctx.inputs)
+        return dq, dk, dv, None, None, None
+
+
+def triton_attention(q, k, v, mask: BlockMask, key_lengths, scale: float):
+    """``(o, lse)`` through the Triton kernels, differentiable in ``q, k, v``."""
+    return TritonAttentionFunction.apply(q, k, v, mask, key_lengths, scale)
