@@ -1,0 +1,184 @@
+"""Adapters for the peers sparseflash is compared with: torch SDPA and FlexAttention.
+
+Both take sparseflash's ``(q, k, v, mask)`` (``[B, H, S, D]`` tensors and a ``BlockMask``) and return
+``o [B, H, S_q, D]`` in ``q.dtype``. They serve the benchmarks (``sparseflash.bench``) and may serve
+tests as second opinions; they never import ``reference.py``.
+
+- ``sdpa_attention``: ``torch.nn.functional.scaled_dot_product_attention``, dense and causal masks
+  only (``mask.kind`` DENSE or CAUSAL; causal is top-left aligned, as ``is_causal=True``). ``kernel``
+  pins one SDPA backend (``flash``, ``cudnn``, ``efficient``, ``math``) through
+  ``torch.nn.attention.sdpa_kernel``; a kernel that cannot take the inputs raises ``Unsupported``.
+- ``flex_attention``: ``torch.compile``'d ``flex_attention`` with a Flex ``BlockMask`` built from the
+  same tables (``to_flex_block_mask``): every tile our mask computes in full is a Flex *full* block
+  (``full_kv_num_blocks/full_kv_indices``: the kernel applies no ``mask_mod`` there); the tiles that
+  need an element mask (a causal diagonal, the ragged last key tile) are *partial* blocks
+  (``kv_num_blocks/kv_indices``). The ``mask_mod`` states the same mask element by element, as
+  Flex's contract asks (its eager path ignores the block tables and reads only ``mask_mod``): none
+  for DENSE, ``q_idx >= kv_idx`` for CAUSAL, a lookup in the block layout for SPARSE, and
+  ``kv_idx < key_lengths[b]`` with padding. The compiled kernel evaluates it on partial blocks only,
+  so a mask of full blocks pays nothing for it. Works with torch 2.6 and later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from sparseflash.masks import BlockMask, MaskKind
+
+
+class Unsupported(ValueError):
+    """These inputs or this mask are outside what the peer can do (the benchmark records a skip)."""
+
+
+# ---------------------------------------------------------------------------- torch SDPA
+SDPA_KERNELS = ("flash", "cudnn", "efficient", "math")
+
+
+def _sdpa_context(kernel: str | None):
+    if kernel is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+             "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+    if kernel not in names:
+        raise ValueError(f"SDPA kernel must be one of {', '.join(names)} or None; got {kernel!r}")
+    if not hasattr(SDPBackend, names[kernel]):
+        raise Unsupported(f"this torch ({torch.__version__}) has no SDPA {kernel} backend")
+    return sdpa_kernel([getattr(SDPBackend, names[kernel])])
+
+
+def sdpa_attention(
+    q: torch.Tensor,  # (B, H, S_q, D)
+    k: torch.Tensor,  # (B, H_kv, S_kv, D)
+    v: torch.Tensor,  # (B, H_kv, S_kv, D)
+    mask: BlockMask | None = None,
+    key_lengths: torch.Tensor | None = None,  # (B,) int
+    scale: float | None = None,
+    kernel: str | None = None,
+) -> torch.Tensor:
+    """Attention through torch SDPA for a dense or causal ``mask`` (None = dense)."""
+    kind = MaskKind.DENSE if mask is None else mask.kind
+    if kind is MaskKind.SPARSE:
+        raise Unsupported("torch SDPA takes only dense and causal masks (this one is block-sparse)")
+    causal = kind is MaskKind.CAUSAL
+    attn_mask = None
+    if key_lengths is not None:  # padding: an explicit bool mask (flash and cuDNN then refuse)
+        kv_idx = torch.arange(k.shape[2], device=q.device)
+        attn_mask = (kv_idx[None, :] < key_lengths.to(q.device)[:, None])[:, None, None, :]
+        if causal:
+            q_idx = torch.arange(q.shape[2], device=q.device)
+            attn_mask = attn_mask & (q_idx[:, None] >= kv_idx[None, :])
+            causal = False
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    try:
+        with _sdpa_context(kernel):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale, **gqa)
+    except RuntimeError as err:
+        if "No available kernel" in str(err):
+            first = str(err).strip().splitlines()[0]
+            raise Unsupported(f"SDPA {kernel or 'dispatch'} cannot run these inputs ({first})") from None
+        raise
+
+
+# ---------------------------------------------------------------------------- FlexAttention
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _mask_mod(mask: BlockMask, layout: torch.Tensor, key_lengths: torch.Tensor | None):
+    """The element-level predicate of ``mask`` (and padding) as a Flex ``mask_mod``, or None."""
+    block_m, block_n = mask.block_size
+    sparse = mask.kind is MaskKind.SPARSE
+    shared = layout.shape[0] == 1
+    if not sparse and key_lengths is None:
+        return _causal if mask.causal else None  # module-level functions: no recompiles
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = kv_idx >= 0
+        if sparse:
+            keep = keep & layout[0 if shared else h, q_idx // block_m, kv_idx // block_n]
+        if mask.causal:
+            keep = keep & (q_idx >= kv_idx)
+        if key_lengths is not None:
+            keep = keep & (kv_idx < key_lengths[b])
+        return keep
+
+    return mask_mod
+
+
+def to_flex_block_mask(mask: BlockMask, device: torch.device | str, key_lengths: torch.Tensor | None = None):
+    """A ``torch.nn.attention.flex_attention.BlockMask`` selecting the same scores as ``mask``.
+
+    Tiles computed in full become Flex full blocks, the others partial blocks (see the module
+    docstring). Tables are ``[1, H_or_1, n_q]`` / ``[1, H_or_1, n_q, n_kv]`` int32 (batch and shared
+    heads broadcast). With ``key_lengths`` every computed tile is partial, since padding can cut any.
+    """
+    from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
+
+    device = torch.device(device)
+    tables = mask.tables(device)
+    full_num, full_idx = tables.full_kv_num_blocks, tables.full_kv_indices
+    part_num, part_idx = tables.partial_kv_num_blocks, tables.partial_kv_indices
+    if key_lengths is not None:
+        from sparseflash.masks import layout_to_tables
+
+        part_num, part_idx = layout_to_tables(mask.layout.to(device))
+        full_num, full_idx = torch.zeros_like(part_num), torch.zeros_like(part_idx)
+        key_lengths = key_lengths.to(device)
+    mask_mod = _mask_mod(mask, mask.layout.to(device), key_lengths)
+    return FlexBlockMask.from_kv_blocks(
+        part_num[None].contiguous(), part_idx[None].contiguous(),
+        full_num[None].contiguous(), full_idx[None].contiguous(),
+        BLOCK_SIZE=mask.block_size, mask_mod=mask_mod, seq_lengths=(mask.q_len, mask.kv_len),
+    )
+
+
+def _raise_recompile_limit(limit: int = 64) -> None:
+    """Many (mask_mod, grad mode, shape) combinations in one sweep: allow more recompiles."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.7; keep both
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_flex(dynamic: bool | None = None):
+    """``torch.compile(flex_attention)``, one per ``dynamic`` setting (None: automatic)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    _raise_recompile_limit()
+    return torch.compile(flex, dynamic=dynamic)
+
+
+def flex_attention(
+    q: torch.Tensor,  # (B, H, S_q, D)
+    k: torch.Tensor,  # (B, H_kv, S_kv, D)
+    v: torch.Tensor,  # (B, H_kv, S_kv, D)
+    mask: BlockMask | None = None,
+    key_lengths: torch.Tensor | None = None,  # (B,) int
+    scale: float | None = None,
+    *,
+    block_mask=None,
+    compile: bool = True,
+    dynamic: bool | None = None,
+) -> torch.Tensor:
+    """Attention through FlexAttention. Pass a prebuilt ``block_mask`` (``to_flex_block_mask``) to keep
+    its construction out of a timed loop; ``compile=False`` runs the eager (unfused) path."""
+    if mask is None:
+        from sparseflash.masks import make
+
+        mask = make("dense", q.shape[2], k.shape[2])
+    if block_mask is None:
+        block_mask = to_flex_block_mask(mask, q.device, key_lengths)
+    if compile:
+        fn = compiled_flex(dynamic)
+    else:
+        from torch.nn.attention.flex_attention import flex_attention as fn
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    return fn(q, k, v, block_mask=block_mask, scale=scale, **gqa)
