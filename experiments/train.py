@@ -1,0 +1,27 @@
+"""Train an LRA model: `python experiments/train.py [overrides]` (Hydra; see configs/train.yaml).
+
+    python experiments/train.py                                   # the small ListOps default
+    python experiments/train.py experiment=lra/listops attention=butterfly
+    python experiments/train.py -m experiment=lra/listops attention=dense,butterfly seed=0,1,2
+    torchrun --nproc_per_node=2 experiments/train.py experiment=smoke   # DDP
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    from sparseflash.train import run
+
+    results = run(cfg)
+    return results.get("best_val_acc")  # what a Hydra sweeper would maximise
+
+
+if __name__ == "__main__":
+    main()

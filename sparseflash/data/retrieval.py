@@ -1,0 +1,45 @@
+"""Document retrieval (LRA "Retrieval", AAN): does paper 1 cite paper 2? Byte-level pairs from
+``new_aan_pairs.{train,eval,test}.tsv``, each side truncated to ``max_len`` (4000 as LRA).
+
+Files have no header and tab-separated columns ``label id1 id2 text1 text2`` (label written
+as a float, ``0.0``/``1.0``; no quoting), read as LRA's ``matching/input_pipeline.py`` does.
+Token id = byte + 1 (0 is padding). The model is a dual encoder (one encoder for both sides).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sparseflash.data.common import SequenceDataset, TaskData, bytes_to_tokens, require
+
+LAYOUT = """<task.data_dir>/                    (LRA's lra_release/tsv_data/)
+  new_aan_pairs.train.tsv    no header; tab-separated: label id1 id2 text1 text2
+  new_aan_pairs.eval.tsv     e.g. "1.0<TAB>P01-1005<TAB>W04-1013<TAB>text of 1<TAB>text of 2"
+  new_aan_pairs.test.tsv"""
+
+SPLITS = {"train": "train", "val": "eval", "test": "test"}
+
+
+def load_tsv(path: Path, max_len: int) -> SequenceDataset:
+    pairs, labels = [], []
+    with open(path, "rb") as f:
+        for line in f:
+            cols = line.rstrip(b"\r\n").split(b"\t")
+            if len(cols) < 5:
+                continue
+            labels.append(int(float(cols[0])))
+            pairs.append((bytes_to_tokens(cols[3], max_len), bytes_to_tokens(cols[4], max_len)))
+    return SequenceDataset(pairs, labels, pair=True)
+
+
+def build(cfg, seed: int = 0) -> TaskData:
+    """``cfg``: the ``task`` config (data_dir, prefix, max_len)."""
+    root = Path(cfg.data_dir)
+    prefix = str(cfg.get("prefix", "new_aan_pairs"))
+    files = {k: root / f"{prefix}.{v}.tsv" for k, v in SPLITS.items()}
+    require("AAN retrieval", list(files.values()), LAYOUT)
+    max_len = int(cfg.get("max_len", 4000))
+    train, val, test = (load_tsv(files[k], max_len) for k in ("train", "val", "test"))
+    longest = max(max(len(a), len(b)) for d in (train, val, test) for a, b in d.seqs)
+    return TaskData("retrieval", train, val, test, num_classes=2, vocab_size=257,
+                    max_len=min(max_len, longest), pair=True, info={"majority": test.majority()})
