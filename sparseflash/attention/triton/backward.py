@@ -1,7 +1,7 @@
 """FlashAttention-2 backward: preprocess, dK/dV and dQ kernels, deterministic (no atomics).
 
 Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N,
-SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION), and
+SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS), and
   HAS_DLSE  the loss also depends on lse: d lse / d s = p, so delta becomes rowsum(o * do) - dlse.
 
 The scores are recomputed from q, k and lse (p = exp2(s * scale * log2 e - lse * log2 e)), never
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from sparseflash.attention.triton import configs
-from sparseflash.attention.triton.forward import KernelInputs, row_tile_ranges, strides, tile_start
+from sparseflash.attention.triton.forward import KernelInputs, mma, row_tile_ranges, strides, tile_start
 
 
 @triton.jit(do_not_specialize=["q_len"])
@@ -82,7 +82,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
                 stride_qm, stride_qd, stride_dom, stride_dod, t_lo, t_hi, idx_ptr,
                 offs_n, offs_d, q_len, head_dim, qk_scale,
                 FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                SPARSE_BLOCK_M: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                SPARSE_BLOCK_M: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles t_lo..t_hi-1 (transposed scores)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for t in range(t_lo, t_hi):
@@ -93,14 +93,14 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
         q = tl.load(q_ptrs, mask=rows_in, other=0.0)
         do = tl.load(do_ptrs, mask=rows_in, other=0.0)
         lse, delta = _load_row_stats(LSE, DELTA, row_off, offs_m, q_len)
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BN, BM)
+        s_t = mma(k, tl.trans(q), None, DOT_PRECISION, WIDEN_DOTS) * qk_scale  # (BN, BM)
         if APPLY_CAUSAL:
             s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, float("-inf"))
         p_t = tl.math.exp2(s_t - lse[None, :])
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dv = mma(p_t.to(do.dtype), do, dv, DOT_PRECISION, WIDEN_DOTS)
+        dp_t = mma(v, tl.trans(do), None, DOT_PRECISION, WIDEN_DOTS)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dk = mma(ds_t.to(q.dtype), q, dk, DOT_PRECISION, WIDEN_DOTS)
     return dk, dv
 
 
@@ -119,6 +119,7 @@ def _attn_bwd_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr,
 ):
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
     tl.static_assert(SPARSE_BLOCK_N % BLOCK_N == 0, "BLOCK_N must divide SPARSE_BLOCK_N")
@@ -150,11 +151,13 @@ def _attn_bwd_dkdv(
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
                              stride_qm, stride_qd, stride_dom, stride_dod, full_lo, full_hi, full_idx,
                              offs_n, offs_d, q_len, head_dim, qk_scale,
-                             WALK_TABLES, False, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION)
+                             WALK_TABLES, False, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION,
+                             WIDEN_DOTS)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
                              stride_qm, stride_qd, stride_dom, stride_dod, part_lo, part_hi, part_idx,
                              offs_n, offs_d, q_len, head_dim, qk_scale,
-                             WALK_TABLES, IS_CAUSAL, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION)
+                             WALK_TABLES, IS_CAUSAL, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION,
+                             WIDEN_DOTS)
     kv_bound = kv_len
     if HAS_KEY_LENGTHS:
         kv_bound = tl.minimum(kv_bound, tl.load(KEY_LENGTHS + b).to(tl.int32))
@@ -171,7 +174,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
               t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
               FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
               BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Accumulate dQ of one query tile over key tiles t_lo..t_hi-1."""
     for t in range(t_lo, t_hi):
         offs_kv = tile_start(t, idx_ptr, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
@@ -184,16 +187,16 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
         else:
             k_t = tl.load(k_ptrs)
             v_t = tl.load(v_ptrs)
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        s = mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS) * qk_scale
         if APPLY_CAUSAL or APPLY_KV_BOUND:
             keep = offs_kv[None, :] < kv_bound
             if APPLY_CAUSAL:
                 keep = keep & (offs_m[:, None] >= offs_kv[None, :])
             s = tl.where(keep, s, float("-inf"))
         p = tl.math.exp2(s - lse[:, None])
-        dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+        dp = mma(do, v_t, None, DOT_PRECISION, WIDEN_DOTS)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=DOT_PRECISION)
+        dq = mma(ds.to(k_t.dtype), tl.trans(k_t), dq, DOT_PRECISION, WIDEN_DOTS)
     return dq
 
 
@@ -212,6 +215,7 @@ def _attn_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr,
 ):
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
     tl.static_assert(SPARSE_BLOCK_N % BLOCK_N == 0, "BLOCK_N must divide SPARSE_BLOCK_N")
@@ -242,10 +246,12 @@ def _attn_bwd_dq(
         MASK_KIND, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                    0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
-                   WALK_TABLES, False, FULL_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION)
+                   WALK_TABLES, False, FULL_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
+                   WIDEN_DOTS)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                    part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
-                   WALK_TABLES, IS_CAUSAL, True, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION)
+                   WALK_TABLES, IS_CAUSAL, True, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
+                   WIDEN_DOTS)
     out = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=rows_in)
 

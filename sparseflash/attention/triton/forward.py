@@ -9,6 +9,7 @@ Constexpr flags (one kernel body, specialised by the compiler):
   BLOCK_M/BLOCK_N kernel tile (queries/keys); each divides SPARSE_BLOCK_M/SPARSE_BLOCK_N.
   HEAD_DIM        head dim padded to a power of two >= 16; D_PADDED: the real one is smaller.
   DOT_PRECISION   tl.dot input precision ("tf32" for fp32 inputs, "ieee" in the interpreter).
+  WIDEN_DOTS      interpreter only: widen dot operands to fp32 (its bf16 dot is wrong).
 
 The softmax runs in base 2: scores are scaled by scale * log2(e), the running max m and sum l
 are kept per row and the output is divided by l once at the end; lse = (m + log2 l) * ln 2.
@@ -26,6 +27,16 @@ from sparseflash.masks import BlockMask, MaskKind
 
 LOG2E = 1.4426950408889634
 KIND_CODES = {MaskKind.DENSE: 0, MaskKind.CAUSAL: 1, MaskKind.SPARSE: 2}
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
+    """``tl.dot(a, b, acc)``; WIDEN_DOTS (interpreter only) widens the operands to fp32 first,
+    since the interpreter's bf16 dot is wrong. The operands keep their bf16/fp16 rounding."""
+    if WIDEN_DOTS:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -72,7 +83,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
                t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
                FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
                BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Online softmax over key tiles t_lo..t_hi-1 of one query tile."""
     for t in range(t_lo, t_hi):
         start_n = tile_start(t, idx_ptr, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
@@ -87,7 +98,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        s = mma(q, k, None, DOT_PRECISION, WIDEN_DOTS) * qk_scale
         if APPLY_CAUSAL or APPLY_KV_BOUND:
             keep = offs_kv[None, :] < kv_bound
             if APPLY_CAUSAL:
@@ -102,7 +113,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = mma(p.to(v.dtype), v, acc, DOT_PRECISION, WIDEN_DOTS)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -121,6 +132,7 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr,
 ):
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
     tl.static_assert(SPARSE_BLOCK_N % BLOCK_N == 0, "BLOCK_N must divide SPARSE_BLOCK_N")
@@ -155,11 +167,13 @@ def _attn_fwd(
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
         0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
-        WALK_TABLES, False, FULL_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION)
+        WALK_TABLES, False, FULL_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
+        WIDEN_DOTS)
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
         part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
-        WALK_TABLES, IS_CAUSAL, True, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION)
+        WALK_TABLES, IS_CAUSAL, True, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
+        WIDEN_DOTS)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -207,7 +221,7 @@ class KernelInputs:
             HAS_KEY_LENGTHS=self.has_key_lengths,
             SPARSE_BLOCK_M=self.mask.block_size[0], SPARSE_BLOCK_N=self.mask.block_size[1],
             HEAD_DIM=self.padded_dim, D_PADDED=self.padded_dim != self.head_dim,
-            DOT_PRECISION=self.config_key.dot_precision,
+            DOT_PRECISION=self.config_key.dot_precision, WIDEN_DOTS=configs.interpreting(),
         )
 
 
