@@ -1,0 +1,103 @@
+"""The backends a sweep can time, by harness name.
+
+Each entry says when it cannot run a case (``skip_reason``: a peer without that mask, CUDA-only on
+CPU, too much memory) and builds, once per case, a zero-argument forward ``fn() -> o`` so that
+per-case set-up (a Flex block mask) stays out of the timed loop. Add an entry to ``REGISTRY`` to
+time another implementation (the tests add a deliberately wrong one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from sparseflash.attention import BACKENDS, attention, resolve_backend
+from sparseflash.attention import baselines
+from sparseflash.bench.spec import reference_bytes
+from sparseflash.masks import BlockMask, MaskKind
+
+Builder = Callable[..., Callable[[], torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a backend may need besides the tensors."""
+
+    device: torch.device
+    reference_max_gb: float = 8.0
+    flex_dynamic: Optional[bool] = None
+
+
+@dataclass(frozen=True)
+class HarnessBackend:
+    name: str
+    build: Builder  # (q, k, v, mask, ctx) -> fn() -> o
+    impl: Callable[[torch.device], str]  # what actually runs (e.g. "auto" -> "blocked" on CPU)
+    cuda_only: str = ""  # non-empty: the reason it is skipped off CUDA
+    dense_causal_only: bool = False
+    extra_skip: Optional[Callable[..., Optional[str]]] = None  # (q, mask, ctx) -> reason or None
+
+    def skip_reason(self, q: torch.Tensor, mask: BlockMask, ctx: Context) -> Optional[str]:
+        if self.cuda_only and ctx.device.type != "cuda":
+            return self.cuda_only
+        if self.dense_causal_only and mask.kind is MaskKind.SPARSE:
+            return f"{self.name} takes only dense and causal masks (this one is block-sparse)"
+        if self.extra_skip is not None:
+            return self.extra_skip(q, mask, ctx)
+        return None
+
+
+def _sparseflash(backend: str) -> Builder:
+    def build(q, k, v, mask, ctx):
+        return lambda: attention(q, k, v, mask, backend=backend)
+
+    return build
+
+
+def _triton_skip(q, mask, ctx):
+    if "triton" not in BACKENDS:
+        return "sparseflash.attention.BACKENDS has no 'triton' backend yet"
+    return None
+
+
+def _reference_skip(q, mask, ctx):
+    need = reference_bytes(q.shape[0], q.shape[1], mask.q_len, mask.kv_len) / 2**30
+    if need > ctx.reference_max_gb:
+        return f"the reference would need ~{need:.1f} GiB (> reference_max_gb={ctx.reference_max_gb:g})"
+    return None
+
+
+def _sdpa(kernel: Optional[str]) -> Builder:
+    def build(q, k, v, mask, ctx):
+        return lambda: baselines.sdpa_attention(q, k, v, mask, kernel=kernel)
+
+    return build
+
+
+def _flex_build(q, k, v, mask, ctx):
+    block_mask = baselines.to_flex_block_mask(mask, q.device)
+    return lambda: baselines.flex_attention(q, k, v, mask, block_mask=block_mask, dynamic=ctx.flex_dynamic)
+
+
+_CPU_PEER = "the peers are timed on CUDA only (on CPU they are not the kernels one would compare with)"
+
+REGISTRY: dict[str, HarnessBackend] = {
+    "sparseflash": HarnessBackend("sparseflash", _sparseflash("auto"), lambda d: resolve_backend("auto", d)),
+    "sparseflash-blocked": HarnessBackend("sparseflash-blocked", _sparseflash("blocked"), lambda d: "blocked"),
+    "sparseflash-triton": HarnessBackend(
+        "sparseflash-triton", _sparseflash("triton"), lambda d: "triton",
+        cuda_only="timed on CUDA only (on CPU Triton runs under its interpreter)", extra_skip=_triton_skip),
+    "reference": HarnessBackend("reference", _sparseflash("reference"), lambda d: "reference",
+                                extra_skip=_reference_skip),
+    "sdpa": HarnessBackend("sdpa", _sdpa(None), lambda d: "sdpa", cuda_only=_CPU_PEER, dense_causal_only=True),
+    "sdpa-flash": HarnessBackend("sdpa-flash", _sdpa("flash"), lambda d: "sdpa:flash", cuda_only=_CPU_PEER,
+                                 dense_causal_only=True),
+    "sdpa-cudnn": HarnessBackend("sdpa-cudnn", _sdpa("cudnn"), lambda d: "sdpa:cudnn", cuda_only=_CPU_PEER,
+                                 dense_causal_only=True),
+    "flex": HarnessBackend("flex", _flex_build, lambda d: "flex (torch.compile)", cuda_only=_CPU_PEER),
+}
+
+# Errors that mean "this backend cannot run this case" rather than "this backend is broken".
+UNSUPPORTED = (baselines.Unsupported,)

@@ -1,0 +1,177 @@
+"""Measuring one case: the timed step of a mode, the timers, peak memory and the correctness gate.
+
+Timers return milliseconds. On CUDA, ``triton.testing.do_bench`` (L2 flushed between calls, the
+gradients reset with ``grad_to_none``); a step slower than ``timing.slow_ms`` is timed instead with
+``min_repeats`` CUDA-event-timed calls, so one slow case cannot eat the sweep. On CPU, a wall clock
+over repeats after a warm-up call. Peak memory is ``torch.cuda.max_memory_allocated`` over one warm
+call (inputs included); on CPU it is not measured (NaN).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+
+from sparseflash.bench.spec import Timing
+from sparseflash.masks import BlockMask
+
+Step = Callable[[], object]
+
+
+def make_step(fwd: Callable[[], torch.Tensor], mode: str, q, k, v, do) -> Step:
+    """The work one timed call does: ``fwd`` (no autograd), ``bwd`` (backward of one retained
+    forward) or ``fwdbwd`` (both)."""
+    if mode == "fwd":
+        def step():
+            with torch.no_grad():
+                return fwd()
+    elif mode == "fwdbwd":
+        def step():
+            fwd().backward(do)
+    elif mode == "bwd":
+        o = fwd()
+
+        def step():
+            o.backward(do, retain_graph=True)
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    return step
+
+
+def run_once(fwd, mode, q, k, v, do):
+    """The first call: ``o`` and, for bwd modes, ``(dq, dk, dv)`` of ``sum(o * do)``."""
+    if mode == "fwd":
+        with torch.no_grad():
+            return fwd(), None
+    o = fwd()
+    return o, torch.autograd.grad(o, (q, k, v), do)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_ms(fn: Callable[[], object], device: torch.device):
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return out, (time.perf_counter() - start) * 1e3
+
+
+def _quantile(times: list[float], q: float) -> float:
+    return float(torch.tensor(times, dtype=torch.float64).quantile(q))
+
+
+def _stats(times: list[float], timing: Timing) -> dict:
+    lo, hi = timing.quantiles
+    return {"median_ms": statistics.median(times), "p20_ms": _quantile(times, lo),
+            "p80_ms": _quantile(times, hi), "repeats": len(times)}
+
+
+def _do_bench(step: Step, timing: Timing, grads: list[torch.Tensor], stats: Callable) -> dict:
+    """triton's do_bench: ``return_mode="all"`` (triton >= 3.2 has it; 3.6 and 3.9 do) gives every
+    time; older ones give the quantiles asked for."""
+    from triton.testing import do_bench
+
+    kwargs = dict(warmup=timing.warmup_ms, rep=timing.rep_ms, grad_to_none=grads or None)
+    try:
+        times = do_bench(step, return_mode="all", **kwargs)
+    except (AssertionError, TypeError, ValueError):
+        lo, hi = timing.quantiles
+        med, p_lo, p_hi = do_bench(step, quantiles=[0.5, lo, hi], **kwargs)
+        return {"median_ms": med, "p20_ms": p_lo, "p80_ms": p_hi, "repeats": math.nan}
+    return stats(list(times))
+
+
+def _events(step: Step, n: int, grads: list[torch.Tensor]) -> list[float]:
+    times = []
+    for _ in range(n):
+        for g in grads:
+            g.grad = None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def time_step(step: Step, device: torch.device, timing: Timing, grads: list[torch.Tensor]) -> dict:
+    """Median, spread and repeats of ``step``, plus ``peak_mem_mb`` (CUDA) of one warm call."""
+    for g in grads:
+        g.grad = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _, warm = wall_ms(step, device)
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        if warm > timing.slow_ms:
+            out = _stats(_events(step, timing.min_repeats, grads), timing)
+        else:
+            out = _do_bench(step, timing, grads, lambda t: _stats(t, timing))
+        return {**out, "peak_mem_mb": peak}
+    # CPU: a warm-up (at least one call), then as many repeats as fit in rep_ms
+    _, warm = wall_ms(step, device)
+    spent = warm
+    while spent < timing.warmup_ms:
+        _, t = wall_ms(step, device)
+        spent += t
+    n = int(min(timing.max_repeats, max(timing.min_repeats, timing.rep_ms / max(warm, 1e-3))))
+    times = []
+    for _ in range(n):
+        for g in grads:
+            g.grad = None
+        times.append(wall_ms(step, device)[1])
+    return {**_stats(times, timing), "peak_mem_mb": math.nan}
+
+
+# ---------------------------------------------------------------------------- correctness gate
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in fp64; inf if ``actual`` has NaN/inf."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    if actual.shape != expected.shape or not torch.isfinite(actual).all():
+        return math.inf
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
+
+
+def head_slice(mask: BlockMask, heads: int) -> BlockMask:
+    """``mask`` for the first ``heads`` heads (a shared layout stays shared)."""
+    if mask.num_heads == 1:
+        return mask
+    return BlockMask(mask.layout[:heads], mask.block_size, mask.q_len, mask.kv_len, mask.causal)
+
+
+def slice_inputs(q, k, v, do, heads: int):
+    """Batch 0 and the first ``heads`` heads, as fresh leaves that require grad."""
+    pick = lambda x: x[:1, :heads].detach().clone().requires_grad_(True)  # noqa: E731
+    return pick(q), pick(k), pick(v), do[:1, :heads].detach()
+
+
+def trusted_outputs(backend_fn, q, k, v, do, mask: BlockMask, heads: int) -> dict:
+    """``o, dq, dk, dv`` of a trusted backend on batch 0 and the first ``heads`` heads."""
+    qs, ks, vs, dos = slice_inputs(q, k, v, do, heads)
+    o = backend_fn(qs, ks, vs, head_slice(mask, heads))
+    dq, dk, dv = torch.autograd.grad(o, (qs, ks, vs), dos)
+    return {"o": o.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+def compare(o, grads, trusted: dict, tol: float) -> tuple[float, Optional[str]]:
+    """Largest relative error over ``o`` (and ``dq, dk, dv``) on the trusted slice, and a message
+    naming the worst tensor when it exceeds ``tol``."""
+    heads = trusted["o"].shape[1]
+    pairs = [("o", o)]
+    if grads is not None:
+        pairs += list(zip(("dq", "dk", "dv"), grads))
+    errors = {name: relative_error(x[:1, :heads], trusted[name]) for name, x in pairs}
+    worst = max(errors, key=errors.get)
+    err = errors[worst]
+    if not err <= tol:
+        return err, f"{worst}: relative error {err:.2e} > tol {tol:.1e}"
+    return err, None

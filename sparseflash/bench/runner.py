@@ -1,0 +1,131 @@
+"""``run(cfg)``: a whole sweep with its outputs, as ``experiments/bench.py`` calls it.
+
+Writes into the output directory (the Hydra run directory, or ``cfg.out_dir``): ``results.jsonl``
+(streamed row by row while it runs, rewritten at the end with the derived columns),
+``results.csv``, ``results.md`` and ``plots/*.png``; prints progress and the markdown table; with
+``logger=wandb`` logs the rows as a ``wandb.Table``, the curves as ``wandb.plot.line_series`` and the
+PNGs (wandb is imported only then; offline unless the logger config says otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sparseflash.bench import plots as plots_mod
+from sparseflash.bench import report
+from sparseflash.bench.spec import BenchConfig
+from sparseflash.bench.sweep import count, sweep
+
+
+def _output_dir(cfg: BenchConfig) -> Path:
+    if cfg.out_dir:
+        return Path(cfg.out_dir)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return Path(HydraConfig.get().runtime.output_dir)
+    except ImportError:  # pragma: no cover
+        pass
+    return Path("outputs/bench") / time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+class _Progress:
+    """tqdm when installed (and progress is on), else one printed line per row."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.bar = total, 0, None
+        self.enabled = enabled
+        if enabled and sys.stderr.isatty():  # a bar in a log file is noise: print lines there
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc="bench", dynamic_ncols=True, file=sys.stderr)
+            except ImportError:
+                pass
+
+    def __call__(self, row: dict) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        result = (f"{row['median_ms']:.4g} ms, {row['tflops']:.3g} TFLOP/s" if row["status"] == "ok"
+                  else f"{row['status']}: {row['reason'][:90]}")
+        line = (f"[{self.done}/{self.total}] {row['mode']} hd{row['head_dim']} {row['dtype']} S={row['seq_len']} "
+                f"{row['pattern_label']} {row['backend']}: {result}")
+        if self.bar is not None:
+            self.bar.write(line)
+            self.bar.update(1)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def log_wandb(rows: list[dict], pngs: list[Path], out_dir: Path, wandb_cfg: dict, config: dict) -> None:
+    """The rows as a ``wandb.Table``, time-vs-S curves as ``line_series``, and the PNGs."""
+    from sparseflash.logging import WandbSink
+
+    sink = WandbSink(out_dir, config=config, **wandb_cfg)
+    try:
+        cols = report.columns(rows)
+        table_rows = [[(None if isinstance(r.get(c), float) and math.isnan(r[c]) else r.get(c)) for c in cols]
+                      for r in rows]
+        sink.log_table("bench/results", cols, table_rows)
+        for group in dict.fromkeys(report.group_key(r) for r in rows):
+            mode, head_dim, dtype = group
+            lines: dict[str, list] = {}
+            for r in rows:
+                if report.group_key(r) == group and r["status"] == "ok":
+                    lines.setdefault(f"{r['pattern_label']} · {r['backend']}", []).append((r["seq_len"], r["median_ms"]))
+            if not lines:
+                continue
+            keys = list(lines)
+            xs = [[p[0] for p in sorted(lines[k])] for k in keys]
+            ys = [[p[1] for p in sorted(lines[k])] for k in keys]
+            title = f"time (ms) vs sequence length · {mode} · hd {head_dim} · {dtype}"
+            plot = sink.wandb.plot.line_series(xs=xs, ys=ys, keys=keys, title=title, xname="seq_len")
+            sink.run.log({f"bench/time_{mode}_hd{head_dim}_{dtype}": plot})
+        for path in pngs:
+            sink.run.log({f"bench/plots/{path.stem}": sink.wandb.Image(str(path))})
+    finally:
+        sink.close()
+
+
+def run(cfg: Any) -> list[dict]:
+    """Run the sweep ``cfg`` describes (see ``configs/bench.yaml``); returns the rows."""
+    spec = BenchConfig.from_cfg(cfg)
+    out_dir = _output_dir(spec)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = report.environment(spec.torch_device())
+    print(f"bench: {count(spec)} rows on {env['gpu']} (torch {env['torch']}, triton {env['triton']}) -> {out_dir}",
+          flush=True)
+    stream = open(out_dir / "results.jsonl", "w", encoding="utf-8")
+    progress = _Progress(count(spec), spec.progress)
+
+    def on_row(row: dict) -> None:
+        stream.write(json.dumps({k: report._jsonable(v) for k, v in row.items()}) + "\n")
+        stream.flush()
+        progress(row)
+
+    try:
+        rows = sweep(spec, env, on_row)
+    finally:
+        progress.close()
+        stream.close()
+    report.write_jsonl(rows, out_dir / "results.jsonl")
+    report.write_csv(rows, out_dir / "results.csv")
+    (out_dir / "results.md").write_text(report.markdown(rows, spec.backends, full=True))
+    pngs = plots_mod.write_plots(rows, out_dir / "plots", spec.plots.combined) if spec.plots.enabled else []
+    if spec.print_table:
+        print(report.markdown(rows, spec.backends), flush=True)
+    if spec.wandb:
+        log_wandb(rows, pngs, out_dir, spec.wandb, spec.as_dict())
+    print(f"bench: wrote {out_dir / 'results.csv'}, results.jsonl, results.md and {len(pngs)} plots", flush=True)
+    return rows

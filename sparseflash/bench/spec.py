@@ -1,0 +1,221 @@
+"""What a sweep measures: the config, read into plain Python, and the FLOP count.
+
+The config is a mapping (a Hydra ``DictConfig`` or a dict); every key has a default, so
+``BenchConfig.from_cfg({"seq_lens": [256], "backends": ["reference"]})`` is a whole sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from sparseflash import masks
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
+          "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+MODES = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwdbwd", "fwd+bwd": "fwdbwd", "fwd_bwd": "fwdbwd"}
+FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}  # backward = 2.5 x forward (FA2 convention)
+
+
+def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
+                    density: float, mode: str) -> float:
+    """FLOPs of the computed scores: ``4 * S_q * S_kv * D`` per head per forward (two matmuls of
+    ``2 * S_q * S_kv * D``), times the mask's exact density; backward 2.5x, fwd+bwd 3.5x."""
+    return 4.0 * batch * heads * q_len * kv_len * head_dim * density * FLOP_FACTOR[mode]
+
+
+def reference_bytes(batch: int, heads: int, q_len: int, kv_len: int) -> float:
+    """Rough memory of the reference (fp32 scores, probabilities and a temporary: ~3 score matrices)."""
+    return 3.0 * 4 * batch * heads * q_len * kv_len
+
+
+@dataclass(frozen=True)
+class PatternSpec:
+    """A registered pattern with its parameters; ``label`` names it in rows and plots."""
+
+    name: str
+    params: tuple[tuple[str, Any], ...] = ()
+    label: str = ""
+
+    def make(self, seq_len: int, block: int, heads: int) -> masks.BlockMask:
+        return masks.make(self.name, seq_len, block=block, heads=heads, **dict(self.params))
+
+    @property
+    def params_json(self) -> str:
+        return json.dumps(dict(self.params), sort_keys=True)
+
+
+def _plain(value: Any) -> Any:
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf comes with hydra-core
+        pass
+    return value
+
+
+def _as_list(value: Any) -> list:
+    value = _plain(value)
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def parse_patterns(entries: Any, defaults: Mapping[str, Mapping] | None = None) -> list[PatternSpec]:
+    """``[dense, {name: local, params: {window: 4}}, ...]`` -> ``PatternSpec`` list.
+
+    A string entry takes the defaults of ``pattern_params[name]`` (e.g. ``local: {window: 2}``); a
+    mapping's ``params`` are merged over them; ``label`` is optional (default ``name`` or
+    ``name(k=v,...)`` when it has parameters)."""
+    defaults = _plain(defaults) or {}
+    out = []
+    for entry in _as_list(entries):
+        entry = _plain(entry)
+        if isinstance(entry, str):
+            name, params, label = entry, {}, None
+        elif isinstance(entry, Mapping) and "name" in entry:
+            name, params, label = entry["name"], dict(entry.get("params") or {}), entry.get("label")
+            unknown = set(entry) - {"name", "params", "label"}
+            if unknown:
+                raise ValueError(f"pattern entry {entry!r}: unknown keys {sorted(unknown)} (use name, params, label)")
+        else:
+            raise ValueError(f"a pattern is a name or {{name: ..., params: {{...}}}}; got {entry!r}")
+        pattern = masks.get(name)  # raises on an unknown name, listing the registered ones
+        params = {**dict(defaults.get(name) or {}), **params}
+        bad = set(params) - set(pattern.params)
+        if bad:
+            raise ValueError(f"pattern {name!r} takes parameters {pattern.params}; got {sorted(bad)}")
+        items = tuple(sorted(params.items()))
+        if label is None:
+            label = name + ("(" + ",".join(f"{k}={v}" for k, v in items) + ")" if items else "")
+        out.append(PatternSpec(name, items, str(label)))
+    labels = [p.label for p in out]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"pattern labels must be unique; got {labels} (give entries a label)")
+    return out
+
+
+@dataclass
+class Timing:
+    warmup_ms: float = 25.0  # do_bench warm-up time (CUDA); CPU: at least one warm-up call
+    rep_ms: float = 100.0  # time spent on repeats per case
+    min_repeats: int = 3
+    max_repeats: int = 1000
+    slow_ms: float = 1000.0  # a warm call slower than this is timed with min_repeats plain calls
+    quantiles: tuple[float, float] = (0.2, 0.8)  # the spread reported beside the median
+
+
+@dataclass
+class Check:
+    enabled: bool = True
+    reference_max_gb: float = 4.0  # the reference runs on as many heads of batch 0 as fit
+    max_heads: int = 4  # heads compared (of batch 0)
+    trusted: list[str] = field(default_factory=lambda: ["sparseflash-blocked", "sdpa"])
+    tol: dict[str, float] = field(default_factory=lambda: {"fp32": 5e-3, "fp16": 1e-2, "bf16": 3e-2})
+
+
+@dataclass
+class Plots:
+    enabled: bool = True
+    combined: bool = False  # one time figure and one speed-up figure for all groups
+
+
+@dataclass
+class BenchConfig:
+    seq_lens: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
+    tokens: int = 16384  # fixed total tokens: batch = tokens // seq_len ...
+    batch: int | None = None  # ... unless a batch is given
+    hidden: int = 2048
+    heads: int | None = None  # default hidden // head_dim
+    head_dims: list[int] = field(default_factory=lambda: [128])
+    dtypes: list[str] = field(default_factory=lambda: ["bf16"])
+    block: int = 128
+    patterns: list[PatternSpec] = field(default_factory=lambda: parse_patterns(["dense", "causal"]))
+    backends: list[str] = field(default_factory=lambda: ["sparseflash"])
+    modes: list[str] = field(default_factory=lambda: ["fwd"])
+    device: str = "auto"
+    seed: int = 0
+    reference_max_gb: float = 8.0  # the reference backend is timed only below this estimate
+    timing: Timing = field(default_factory=Timing)
+    check: Check = field(default_factory=Check)
+    plots: Plots = field(default_factory=Plots)
+    flex_dynamic: bool | None = None
+    progress: bool = True
+    print_table: bool = True
+    out_dir: str | None = None
+    wandb: dict | None = None
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "BenchConfig":
+        from sparseflash.bench.backends import REGISTRY
+
+        cfg = dict(_plain(cfg) or {})
+        known = {f.name for f in dataclasses.fields(cls)} | {"head_dim", "dtype", "pattern_params", "logger"}
+        ignored = {"hydra", "bench", "name"}
+        unknown = set(cfg) - known - ignored
+        if unknown:
+            raise ValueError(f"unknown bench config keys: {sorted(unknown)}")
+        kw: dict[str, Any] = {}
+        for key in ("tokens", "batch", "hidden", "heads", "block", "device", "seed", "reference_max_gb",
+                    "flex_dynamic", "progress", "print_table", "out_dir"):
+            if key in cfg:
+                kw[key] = cfg[key]
+        if "seq_lens" in cfg:
+            kw["seq_lens"] = [int(s) for s in _as_list(cfg["seq_lens"])]
+        if "head_dim" in cfg or "head_dims" in cfg:
+            kw["head_dims"] = [int(d) for d in _as_list(cfg.get("head_dim", cfg.get("head_dims")))]
+        if "dtype" in cfg or "dtypes" in cfg:
+            names = [str(d) for d in _as_list(cfg.get("dtype", cfg.get("dtypes")))]
+            for name in names:
+                if name not in DTYPES:
+                    raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
+            kw["dtypes"] = [DTYPE_NAMES[DTYPES[n]] for n in names]
+        if "patterns" in cfg:
+            kw["patterns"] = parse_patterns(cfg["patterns"], cfg.get("pattern_params"))
+        if "backends" in cfg:
+            kw["backends"] = [str(b) for b in _as_list(cfg["backends"])]
+            for name in kw["backends"]:
+                if name not in REGISTRY:
+                    raise ValueError(f"unknown benchmark backend {name!r}; known: {', '.join(REGISTRY)}")
+        if "modes" in cfg:
+            modes = [str(m) for m in _as_list(cfg["modes"])]
+            for m in modes:
+                if m not in MODES:
+                    raise ValueError(f"unknown mode {m!r}; expected fwd, bwd or fwdbwd")
+            kw["modes"] = [MODES[m] for m in modes]
+        for key, sub in (("timing", Timing), ("check", Check), ("plots", Plots)):
+            if cfg.get(key) is not None:
+                values = dict(cfg[key])
+                bad = set(values) - {f.name for f in dataclasses.fields(sub)}
+                if bad:
+                    raise ValueError(f"unknown {key} keys: {sorted(bad)}")
+                if "quantiles" in values:
+                    values["quantiles"] = tuple(values["quantiles"])
+                kw[key] = sub(**values)
+        wandb = cfg.get("wandb", (cfg.get("logger") or {}).get("wandb"))
+        kw["wandb"] = dict(wandb) if wandb else None
+        return cls(**kw)
+
+    def batch_for(self, seq_len: int) -> int:
+        return int(self.batch) if self.batch else max(1, int(self.tokens) // int(seq_len))
+
+    def heads_for(self, head_dim: int) -> int:
+        return int(self.heads) if self.heads else max(1, int(self.hidden) // int(head_dim))
+
+    def torch_device(self) -> torch.device:
+        if self.device in (None, "auto"):
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["patterns"] = [{"name": p.name, "params": dict(p.params), "label": p.label} for p in self.patterns]
+        return out

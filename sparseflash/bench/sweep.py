@@ -1,0 +1,211 @@
+"""The sweep: every (head_dim, dtype, seq_len, pattern, mode, backend) becomes one row.
+
+A row's ``status`` is ``ok`` (timed), ``skipped`` (cannot run here: a peer without that mask,
+CUDA-only on CPU, out of memory; ``reason`` says which), ``wrong`` (failed the correctness gate:
+not timed, ``reason`` holds the error) or ``error`` (an unexpected exception, recorded, the sweep
+goes on). Derived columns (``speedup_vs_dense``, ``speedup_vs_<peer>``) are filled by ``derive``.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from sparseflash.bench import measure
+from sparseflash.bench.backends import REGISTRY, UNSUPPORTED, Context
+from sparseflash.bench.spec import DTYPES, BenchConfig, attention_flops, reference_bytes
+from sparseflash.masks import BlockMask
+
+KEY = ("mode", "head_dim", "dtype", "seq_len")
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "out of memory" in str(err).lower())
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _first_line(err: BaseException, limit: int = 300) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:limit]
+
+
+class _Trusted:
+    """The gate's trusted outputs for one (case, pattern), computed once and shared by every
+    backend and mode: the reference on batch 0 and as many heads as fit ``reference_max_gb``;
+    if not even one head fits, the first ``check.trusted`` backend that can run the case."""
+
+    def __init__(self, cfg: BenchConfig, ctx: Context, q, k, v, do, mask: BlockMask):
+        self.cfg, self.ctx, self.inputs, self.mask = cfg, ctx, (q, k, v, do), mask
+        self._cache: dict[str, Optional[dict]] = {}
+
+    def get(self, tested: str) -> tuple[str, Optional[dict]]:
+        q = self.inputs[0]
+        heads = min(q.shape[1], self.cfg.check.max_heads)
+        per_head = reference_bytes(1, 1, self.mask.q_len, self.mask.kv_len) / 2**30
+        fit = int(self.cfg.check.reference_max_gb // per_head) if per_head > 0 else heads
+        candidates = ["reference"] if fit >= 1 else []
+        candidates += [t for t in self.cfg.check.trusted if t != tested and t in REGISTRY]
+        for name in candidates:
+            if name not in self._cache:
+                self._cache[name] = self._compute(name, min(heads, fit) if name == "reference" else heads)
+            if self._cache[name] is not None:
+                return name, self._cache[name]
+        return "", None
+
+    def _compute(self, name: str, heads: int) -> Optional[dict]:
+        backend = REGISTRY[name]
+        q, k, v, do = self.inputs
+        if name != "reference" and backend.skip_reason(q, self.mask, self.ctx):
+            return None
+
+        def fn(qs, ks, vs, mask):
+            return backend.build(qs, ks, vs, mask, self.ctx)()
+
+        try:
+            return measure.trusted_outputs(fn, q, k, v, do, self.mask, heads)
+        except Exception as err:  # noqa: BLE001 - a trusted backend that fails is not used
+            if _is_oom(err):
+                _free(self.ctx.device)
+            return None
+
+
+def measure_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: BlockMask,
+                cfg: BenchConfig, ctx: Context, trusted: _Trusted) -> None:
+    """Fill ``row`` for one backend on one case (status, timings, check)."""
+    backend = REGISTRY[backend_name]
+    reason = backend.skip_reason(q, mask, ctx)
+    if reason:
+        row.update(status="skipped", reason=reason)
+        return
+    grads = [q, k, v] if mode != "fwd" else []
+    try:
+        fwd = backend.build(q, k, v, mask, ctx)
+        (o, dgrads), row["first_call_ms"] = measure.wall_ms(lambda: measure.run_once(fwd, mode, q, k, v, do),
+                                                            ctx.device)
+        if cfg.check.enabled:
+            against, expected = trusted.get(backend_name)
+            row["check_against"] = against
+            if expected is not None:
+                tol = cfg.check.tol.get(row["dtype"], 3e-2)
+                row["check_err"], message = measure.compare(o, dgrads, expected, tol)
+                if message:
+                    row.update(status="wrong", reason=f"{message} against {against}")
+                    return
+            else:
+                row["reason"] = "unchecked: no trusted backend fits this case"
+        del o, dgrads
+        stats = measure.time_step(measure.make_step(fwd, mode, q, k, v, do), ctx.device, cfg.timing, grads)
+        row.update(stats, status="ok")
+        row["tflops"] = row["flops"] / (row["median_ms"] * 1e-3) / 1e12
+    except UNSUPPORTED as err:
+        row.update(status="skipped", reason=str(err))
+    except Exception as err:  # noqa: BLE001 - record and go on
+        if _is_oom(err):
+            row.update(status="skipped", reason=f"out of memory ({_first_line(err, 160)})")
+        else:
+            row.update(status="error", reason=_first_line(err))
+    finally:
+        for x in grads:
+            x.grad = None
+        if row.get("status") != "ok":
+            _free(ctx.device)
+
+
+def _inputs(batch, heads, seq_len, head_dim, dtype, device, seed):
+    """Random ``q, k, v, do`` (never zeros), leaves that require grad."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (batch, heads, seq_len, head_dim)
+    make = lambda: torch.randn(shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    q, k, v, do = make(), make(), make(), make()
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+
+def count(cfg: BenchConfig) -> int:
+    return (len(cfg.head_dims) * len(cfg.dtypes) * len(cfg.seq_lens) * len(cfg.patterns)
+            * len(cfg.modes) * len(cfg.backends))
+
+
+def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
+    device = cfg.torch_device()
+    ctx = Context(device, cfg.reference_max_gb, cfg.flex_dynamic)
+    rows = []
+    for head_dim in cfg.head_dims:
+        heads = cfg.heads_for(head_dim)
+        for dtype_name in cfg.dtypes:
+            for seq_len in cfg.seq_lens:
+                batch = cfg.batch_for(seq_len)
+                seed = cfg.seed * 1_000_003 + seq_len * 31 + head_dim
+                try:
+                    q, k, v, do = _inputs(batch, heads, seq_len, head_dim, DTYPES[dtype_name], device, seed)
+                    input_error = None
+                except Exception as err:  # noqa: BLE001 - OOM on the inputs: skip the whole case
+                    input_error = ("out of memory for the inputs" if _is_oom(err) else _first_line(err))
+                    _free(device)
+                for pattern in cfg.patterns:
+                    mask = pattern.make(seq_len, cfg.block, heads).to(device)
+                    density, kind = mask.density, mask.kind.value
+                    trusted = None if input_error else _Trusted(cfg, ctx, q, k, v, do, mask)
+                    for mode in cfg.modes:
+                        for backend in cfg.backends:
+                            row = {
+                                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "mode": mode,
+                                "head_dim": head_dim, "dtype": dtype_name, "seq_len": seq_len,
+                                "batch": batch, "heads": heads, "block": cfg.block,
+                                "pattern": pattern.name, "pattern_label": pattern.label,
+                                "params": pattern.params_json, "density": density, "mask_kind": kind,
+                                "backend": backend, "impl": REGISTRY[backend].impl(device),
+                                "status": "", "reason": "",
+                                "flops": attention_flops(batch, heads, seq_len, seq_len, head_dim, density, mode),
+                                "median_ms": math.nan, "p20_ms": math.nan, "p80_ms": math.nan,
+                                "repeats": math.nan, "first_call_ms": math.nan, "tflops": math.nan,
+                                "speedup_vs_dense": math.nan, "check_against": "", "check_err": math.nan,
+                                "peak_mem_mb": math.nan,
+                            }
+                            if input_error:
+                                row.update(status="skipped", reason=input_error)
+                            else:
+                                measure_one(row, backend, mode, q, k, v, do, mask, cfg, ctx, trusted)
+                            row.update(env)
+                            rows.append(row)
+                            on_row(row)
+                    del trusted
+                if not input_error:
+                    del q, k, v, do
+                _free(device)
+    return derive(rows, cfg.backends, dense_label=_dense_label(cfg))
+
+
+def _dense_label(cfg: BenchConfig) -> Optional[str]:
+    for p in cfg.patterns:
+        if p.name == "dense":
+            return p.label
+    return None
+
+
+def derive(rows: list[dict], backends: Iterable[str], dense_label: Optional[str] = "dense") -> list[dict]:
+    """Fill ``speedup_vs_dense`` (the same backend's dense time / this time) and, for every other
+    backend of the run, ``speedup_vs_<peer>`` (the peer's time / this time; > 1: this one is faster)."""
+    backends = list(dict.fromkeys(backends))
+    ok = {tuple(r[c] for c in KEY) + (r["pattern_label"], r["backend"]): r["median_ms"]
+          for r in rows if r["status"] == "ok"}
+    for r in rows:
+        key = tuple(r[c] for c in KEY)
+        mine = r["median_ms"] if r["status"] == "ok" else math.nan
+        dense = ok.get(key + (dense_label, r["backend"]), math.nan)
+        r["speedup_vs_dense"] = dense / mine if mine == mine and dense == dense else math.nan
+        for peer in backends:
+            if peer == r["backend"]:
+                continue
+            theirs = ok.get(key + (r["pattern_label"], peer), math.nan)
+            r[f"speedup_vs_{peer}"] = theirs / mine if mine == mine and theirs == theirs else math.nan
+    return rows
