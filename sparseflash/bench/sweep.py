@@ -203,9 +203,12 @@ def derive(rows: list[dict], backends: Iterable[str], dense_label: Optional[str]
         mine = r["median_ms"] if r["status"] == "ok" else math.nan
         dense = ok.get(key + (dense_label, r["backend"]), math.nan)
         r["speedup_vs_dense"] = dense / mine if mine == mine and dense == dense else math.nan
-        for peer in backends:
-            if peer == r["backend"]:
-                continue
-            theirs = ok.get(key + (r["pattern_label"], peer), math.nan)
-            r[f"speedup_vs_{peer}"] = theirs / mine if mine == mine and theirs == theirs else math.nan
+        peers = {}
+        for peer in backends:  # every row gets every column (NaN for its own backend)
+            theirs = ok.get(key + (r["pattern_label"], peer), math.nan) if peer != r["backend"] else math.nan
+            peers[f"speedup_vs_{peer}"] = theirs / mine if mine == mine and theirs == theirs else math.nan
+        items = list(r.items())
+        at = [k for k, _ in items].index("speedup_vs_dense") + 1
+        r.clear()
+        r.update(items[:at] + list(peers.items()) + [(k, v) for k, v in items[at:] if k not in peers])
     return rows

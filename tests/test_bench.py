@@ -1,0 +1,242 @@
+"""The benchmark harness on CPU: a tiny sweep's files agree with each other and with hand counts,
+plots render, skips carry reasons, the correctness gate refuses a wrong backend, compare works, and
+the configs (presets and the issue's override line) compose."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparseflash.bench import BenchConfig, attention_flops, compare_rows, parse_patterns, read_rows, run
+from sparseflash.bench import backends as bench_backends
+from sparseflash.masks import make
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {
+    "seq_lens": [64, 128], "tokens": 256, "hidden": 32, "head_dim": 16, "dtype": "fp32", "block": 32,
+    "patterns": ["dense", "causal", "butterfly"],
+    "backends": ["sparseflash-blocked", "reference", "sdpa", "flex", "sparseflash-triton"],
+    "modes": ["fwd", "fwdbwd"],
+    "timing": {"warmup_ms": 1, "rep_ms": 2, "min_repeats": 3, "max_repeats": 5},
+    "progress": False, "print_table": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    rows = run({**TINY, "out_dir": str(out)})
+    return out, rows
+
+
+def _close(a, b, rel=1e-9):
+    return (a != a and b != b) or math.isclose(a, b, rel_tol=rel)
+
+
+def test_files_agree(tiny_run):
+    out, rows = tiny_run
+    csv_rows, jsonl_rows = read_rows(out / "results.csv"), read_rows(out / "results.jsonl")
+    assert len(rows) == len(csv_rows) == len(jsonl_rows) == 2 * 3 * 2 * 5
+    for a, b in zip(csv_rows, jsonl_rows):
+        assert set(a) == set(b)
+        for key in a:
+            if isinstance(a[key], float):
+                assert _close(a[key], b[key]), key
+            else:
+                assert str(a[key]) == str(b[key]), key
+    for r in csv_rows:  # the environment is in every row
+        assert r["torch"] == torch.__version__ and r["hostname"] and r["timestamp"] and r["device"] == "cpu"
+    assert (out / "results.md").read_text().count("|") > 50
+
+
+def test_derived_columns_recomputed(tiny_run):
+    out, _ = tiny_run
+    rows = read_rows(out / "results.csv")
+    ok = {(r["mode"], r["seq_len"], r["pattern_label"], r["backend"]): r for r in rows if r["status"] == "ok"}
+    assert len(ok) == 2 * 3 * 2 * 2  # blocked and reference, every case
+    for (mode, s, label, backend), r in ok.items():
+        assert r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
+        assert _close(r["tflops"], r["flops"] / (r["median_ms"] * 1e-3) / 1e12, 1e-6)
+        dense = ok[(mode, s, "dense", backend)]
+        assert _close(r["speedup_vs_dense"], dense["median_ms"] / r["median_ms"], 1e-6)
+        peer = "reference" if backend == "sparseflash-blocked" else "sparseflash-blocked"
+        assert _close(r[f"speedup_vs_{peer}"], ok[(mode, s, label, peer)]["median_ms"] / r["median_ms"], 1e-6)
+        assert r["check_against"] == "reference" and r["check_err"] < 1e-4
+        assert r["first_call_ms"] > 0 and math.isnan(r["peak_mem_mb"])  # not measured on CPU
+        expected = attention_flops(r["batch"], r["heads"], s, s, 16, r["density"], mode)
+        assert _close(r["flops"], expected)
+
+
+def test_flop_count_by_hand():
+    # S=128, D=16, causal with 64-blocks: kept scores = 128*129/2 = 8256 of 128*128 = 16384.
+    mask = make("causal", 128, block=64)
+    density = 128 * 129 / 2 / 128**2
+    assert density == pytest.approx(0.5 + 64 / (2 * 128 * 64) * 1)  # 0.5 + 1/(2*S/... ) = 0.50390625
+    assert mask.density == pytest.approx(density, abs=0)
+    fwd = 4 * 128 * 128 * 16 * density  # per head, one forward
+    assert fwd == 4 * 16 * 8256
+    assert attention_flops(2, 3, 128, 128, 16, mask.density, "fwd") == pytest.approx(2 * 3 * fwd)
+    assert attention_flops(2, 3, 128, 128, 16, mask.density, "bwd") == pytest.approx(2.5 * 2 * 3 * fwd)
+    assert attention_flops(2, 3, 128, 128, 16, mask.density, "fwdbwd") == pytest.approx(3.5 * 2 * 3 * fwd)
+
+
+def test_flop_column_by_hand(tiny_run):
+    out, _ = tiny_run
+    r = next(r for r in read_rows(out / "results.csv") if r["seq_len"] == 128 and r["pattern"] == "causal"
+             and r["mode"] == "fwdbwd" and r["backend"] == "reference")
+    # S=128, block 32: kept = 128*129/2; batch 256//128 = 2, heads 32//16 = 2, D=16, fwd+bwd 3.5x
+    assert r["density"] == pytest.approx(8256 / 16384)
+    assert r["flops"] == pytest.approx(3.5 * 4 * 8256 * 16 * 2 * 2)
+
+
+def test_skips_carry_reasons(tiny_run):
+    out, _ = tiny_run
+    rows = read_rows(out / "results.csv")
+    skipped = [r for r in rows if r["status"] == "skipped"]
+    assert {r["backend"] for r in skipped} == {"sdpa", "flex", "sparseflash-triton"}
+    assert all(r["reason"] for r in skipped) and all(math.isnan(r["median_ms"]) for r in skipped)
+    assert any("CUDA" in r["reason"] for r in skipped if r["backend"] == "sparseflash-triton")
+    assert "Not timed" in (out / "results.md").read_text()
+
+
+def test_peer_without_the_mask_is_skipped():
+    ctx = bench_backends.Context(torch.device("cuda"))  # as if on a GPU: only the mask decides
+    q = torch.randn(1, 2, 128, 16)
+    butterfly, causal = make("butterfly", 128, block=32), make("causal", 128, block=32)
+    sdpa = bench_backends.REGISTRY["sdpa"]
+    assert "dense and causal" in sdpa.skip_reason(q, butterfly, ctx)
+    assert sdpa.skip_reason(q, causal, ctx) is None
+    assert bench_backends.REGISTRY["flex"].skip_reason(q, butterfly, ctx) is None
+
+
+def test_plots_render(tiny_run):
+    out, _ = tiny_run
+    pngs = sorted((out / "plots").glob("*.png"))
+    assert {p.name for p in pngs} == {f"{k}_{m}_hd16_fp32.png" for k in ("time", "speedup") for m in ("fwd", "fwdbwd")}
+    assert all(p.stat().st_size > 5000 for p in pngs)
+
+
+def test_gate_refuses_a_wrong_backend(tmp_path, monkeypatch):
+    def noisy(q, k, v, mask, ctx):
+        def fwd():
+            return (q + k + v) * 0 + torch.randn_like(q)  # connected to the inputs, wrong values
+        return fwd
+
+    wrong = bench_backends.HarnessBackend("noise", noisy, lambda d: "noise")
+    monkeypatch.setitem(bench_backends.REGISTRY, "noise", wrong)
+    rows = run({**TINY, "seq_lens": [64], "patterns": ["dense", "butterfly"], "modes": ["fwd", "bwd"],
+                "backends": ["noise", "sparseflash-blocked"], "out_dir": str(tmp_path)})
+    noise = [r for r in rows if r["backend"] == "noise"]
+    assert noise and all(r["status"] == "wrong" for r in noise)
+    assert all("relative error" in r["reason"] and math.isnan(r["median_ms"]) for r in noise)
+    assert all(r["status"] == "ok" for r in rows if r["backend"] == "sparseflash-blocked")
+    assert "WRONG" in (tmp_path / "results.md").read_text()
+
+
+def test_gate_uses_a_trusted_backend_above_the_reference_limit(tmp_path):
+    rows = run({**TINY, "seq_lens": [128], "patterns": ["dense"], "modes": ["fwd"], "backends": ["sparseflash"],
+                "check": {"reference_max_gb": 1e-9, "trusted": ["sparseflash-blocked"]}, "out_dir": str(tmp_path),
+                "plots": {"enabled": False}})
+    assert rows[0]["status"] == "ok" and rows[0]["check_against"] == "sparseflash-blocked"
+
+
+def test_compare_command(tiny_run, tmp_path, capsys):
+    out, _ = tiny_run
+    rows = read_rows(out / "results.csv")
+    faster = [dict(r, median_ms=r["median_ms"] / 2) for r in rows]
+    with open(tmp_path / "b.jsonl", "w") as f:
+        for r in faster:
+            f.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}) + "\n")
+    matched, text = compare_rows(rows, read_rows(tmp_path / "b.jsonl"))
+    ok = [m for m in matched if m["a_status"] == "ok"]
+    assert ok and all(m["speedup"] == pytest.approx(2.0) for m in ok)
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments/bench.py"), "compare", str(out / "results.csv"),
+                           str(tmp_path / "b.jsonl"), "--out", str(tmp_path / "cmp.md")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "geometric mean a/b = 2.000" in proc.stdout and (tmp_path / "cmp.md").exists()
+
+
+def test_wandb_logging_with_a_stub(tmp_path, monkeypatch):
+    logged = []
+
+    class Run:
+        def log(self, data, step=None):
+            logged.append(data)
+
+        def finish(self):
+            logged.append("finished")
+
+    stub = types.SimpleNamespace(
+        init=lambda **kw: (logged.append(("init", kw["mode"])), Run())[1],
+        Table=lambda columns, data: ("table", columns, data),
+        Image=lambda path: ("image", path),
+        plot=types.SimpleNamespace(line_series=lambda **kw: ("line_series", kw)),
+    )
+    monkeypatch.setitem(sys.modules, "wandb", stub)
+    run({**TINY, "seq_lens": [64, 128], "patterns": ["dense"], "modes": ["fwd"], "backends": ["sparseflash-blocked"],
+         "out_dir": str(tmp_path), "logger": {"wandb": {"project": "p", "mode": "offline"}}})
+    assert ("init", "offline") in logged and logged[-1] == "finished"
+    tables = [d for d in logged if isinstance(d, dict) and "bench/results" in d]
+    assert tables and len(tables[0]["bench/results"][2]) == 2
+    series = [v for d in logged if isinstance(d, dict) for v in d.values() if isinstance(v, tuple) and v[0] == "line_series"]
+    assert series and series[0][1]["xs"] == [[64, 128]]
+
+
+# ---------------------------------------------------------------------------- configs
+def _compose(overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="bench", overrides=overrides)
+
+
+def test_issue_override_line_composes():
+    cfg = _compose(["seq_lens=[1024,4096,16384]", "patterns=[dense,causal,butterfly,local]",
+                    "backends=[sparseflash,flex,sdpa]", "modes=[fwd,fwdbwd]", "head_dim=128", "dtype=bf16"])
+    spec = BenchConfig.from_cfg(cfg)
+    assert spec.seq_lens == [1024, 4096, 16384] and spec.head_dims == [128] and spec.dtypes == ["bf16"]
+    assert [p.label for p in spec.patterns] == ["dense", "causal", "butterfly", "local(window=2)"]
+    assert spec.backends == ["sparseflash", "flex", "sdpa"] and spec.modes == ["fwd", "fwdbwd"]
+    assert spec.heads_for(128) == 16 and spec.batch_for(4096) == 4 and spec.wandb is None
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "configs/bench").glob("*.yaml")))
+def test_presets_compose(preset):
+    spec = BenchConfig.from_cfg(_compose([f"bench={preset}"]))
+    assert spec.seq_lens and spec.patterns and spec.backends
+
+
+def test_h100_preset_is_the_issue_grid():
+    spec = BenchConfig.from_cfg(_compose(["bench=h100"]))
+    assert spec.seq_lens == [1024, 4096, 16384] and spec.tokens == 16384 and spec.head_dims == [128]
+    assert [p.label for p in spec.patterns] == ["dense", "causal", "butterfly", "local(window=2)",
+                                                "random(density=0.25)"]
+    assert {"sparseflash-blocked", "flex", "sdpa", "sparseflash-triton"} == set(spec.backends)
+
+
+def test_wandb_logger_and_dict_patterns_compose():
+    cfg = _compose(["logger=wandb", "patterns=[dense,{name:local,params:{window:4}},{name:random,label:r}]"])
+    spec = BenchConfig.from_cfg(cfg)
+    assert spec.wandb["mode"] == "offline"
+    assert [p.label for p in spec.patterns] == ["dense", "local(window=4)", "r"]
+    assert dict(spec.patterns[2].params) == {"density": 0.25}
+
+
+def test_bad_config_is_explained():
+    with pytest.raises(ValueError, match="registered patterns"):
+        parse_patterns(["nope"])
+    with pytest.raises(ValueError, match="takes parameters"):
+        parse_patterns([{"name": "local", "params": {"widow": 2}}])
+    with pytest.raises(ValueError, match="unknown benchmark backend"):
+        BenchConfig.from_cfg({"backends": ["fast"]})
+    with pytest.raises(ValueError, match="unknown mode"):
+        BenchConfig.from_cfg({"modes": ["backward"]})
