@@ -88,6 +88,8 @@ def _check_inputs(q, k, v, key_lengths, scale) -> float:
         raise ValueError(f"k and v must have the same shape [B, H_kv, S_kv, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
     if kb != batch:
         raise ValueError(f"batch sizes differ: q has B={batch}, k and v have B={kb}")
+    if q.shape[2] < 1 or kv_len < 1:
+        raise ValueError(f"S_q and S_kv must be >= 1; got S_q={q.shape[2]}, S_kv={kv_len}")
     if kd != dim:
         raise ValueError(f"head_dim differs: q has D={dim}, k and v have D={kd}")
     if not 1 <= dim <= MAX_HEAD_DIM:

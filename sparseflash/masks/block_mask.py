@@ -129,9 +129,11 @@ class BlockMask:
         q_len = n_q * block_m if q_len is None else int(q_len)
         kv_len = n_kv * block_n if kv_len is None else int(kv_len)
         for name, length, n, block in (("q_len", q_len, n_q, block_m), ("kv_len", kv_len, n_kv, block_n)):
-            if length < 1 or -(-length // block) != n:
+            if length < 1:
+                raise ValueError(f"{name} must be >= 1; got {length}")
+            if -(-length // block) != n:
                 raise ValueError(
-                    f"{name}={length} with block {block} needs {-(-max(length, 1) // block)} blocks; "
+                    f"{name}={length} with block {block} needs {-(-length // block)} blocks; "
                     f"the layout has {n}"
                 )
         self.block_size = (block_m, block_n)

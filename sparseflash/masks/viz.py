@@ -21,9 +21,13 @@ def _downsample(layout: torch.Tensor, max_cells: int) -> tuple[torch.Tensor, tor
     if group == 1:
         return layout, layout, 1
     pad_q, pad_kv = (-layout.shape[0]) % group, (-layout.shape[1]) % group
-    x = torch.nn.functional.pad(layout.float()[None, None], (0, pad_kv, 0, pad_q))[0, 0]
-    x = x.unflatten(0, (-1, group)).unflatten(2, (-1, group)).transpose(1, 2)
-    return x.amax((-1, -2)) > 0, x.amin((-1, -2)) > 0, group
+
+    def cells(fill: float) -> torch.Tensor:  # (cells_q, cells_kv, group, group); past the edge: fill
+        x = torch.nn.functional.pad(layout.float()[None, None], (0, pad_kv, 0, pad_q), value=fill)[0, 0]
+        return x.unflatten(0, (-1, group)).unflatten(2, (-1, group)).transpose(1, 2)
+
+    # tiles past the edge count as off for "any" and as on for "all"
+    return cells(0.0).amax((-1, -2)) > 0, cells(1.0).amin((-1, -2)) > 0, group
 
 
 def ascii_picture(mask: "BlockMask", max_cells: int = 64, max_heads: int = 4) -> str:
