@@ -3,15 +3,18 @@
 On first use of a key, each candidate config is timed on the real inputs (median of
 ``triton.testing.do_bench``) and the fastest kept, in memory and in
 ``$SPARSEFLASH_CACHE_DIR/tuning.json`` (default ``~/.cache/sparseflash``), keyed by GPU name and
-Triton version. Sequence lengths are not part of the key and are not specialised on, so a new
-length neither re-tunes nor recompiles. Under the interpreter (``TRITON_INTERPRET=1``) no tuning
+Triton version. The key holds the loop's trip count (mask blocks per query row, log2-bucketed),
+since short loops favour other tiles than long ones; sequence lengths themselves are not
+specialised on, so a new length never recompiles (a new bucket re-times compiled configs). Under the interpreter (``TRITON_INTERPRET=1``) no tuning
 runs: small tiles keep the CPU tests fast and exercise several tiles per mask block.
 Set ``SPARSEFLASH_TUNE=0`` to skip tuning and take each list's first candidate.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,13 +39,15 @@ class ConfigKey:
     kind: str
     sparse_block: tuple[int, int]
     causal: bool
+    row_work: int  # log2 of the mean mask blocks per query row: the loop's trip count
     device: str
 
     @classmethod
     def of(cls, q: torch.Tensor, mask, padded_dim: int) -> "ConfigKey":
-        device = torch.cuda.get_device_name(q.device) if q.is_cuda else "interpreter"
+        device = _device_name(q.device)
+        blocks_per_row = max(1.0, mask.layout.sum().item() / (mask.num_heads * mask.layout.shape[1]))
         return cls(padded_dim, str(q.dtype).removeprefix("torch."), mask.kind.name,
-                   tuple(mask.block_size), mask.causal, device)
+                   tuple(mask.block_size), mask.causal, round(math.log2(blocks_per_row)), device)
 
     @property
     def dot_precision(self) -> str:
@@ -51,6 +56,11 @@ class ConfigKey:
 
     def __str__(self) -> str:
         return "|".join(str(v) for v in asdict(self).values()) + f"|triton-{triton.__version__}"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "interpreter"
 
 
 def interpreting() -> bool:
@@ -65,18 +75,20 @@ def _configs(*rows: tuple[int, int, int, int]) -> list[KernelConfig]:
 # held, BLOCK_N keys streamed); dkdv: (BLOCK_M queries streamed, BLOCK_N keys held).
 CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
     "forward": {
-        64: _configs((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)),
-        128: _configs((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)),
+        64: _configs((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3)),
+        128: _configs((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+                      (64, 128, 4, 2)),
         256: _configs((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
     },
     "dq": {
-        64: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)),
-        128: _configs((128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)),
+        64: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)),
+        128: _configs((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2)),
         256: _configs((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)),
     },
     "dkdv": {
-        64: _configs((64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)),
-        128: _configs((64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3)),
+        64: _configs((64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)),
+        128: _configs((64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2),
+                      (32, 64, 4, 3)),
         256: _configs((64, 64, 4, 2), (32, 64, 4, 2), (32, 128, 8, 2)),
     },
 }

@@ -1,0 +1,87 @@
+"""One GPU call's worth of kernel work: ceilings, then triton vs peers on the issue's grid.
+
+    PYTHONPATH=. python scripts/kernel_probe.py [--dims 128 64] [--modes fwd fwdbwd]
+
+Prints one row per (head_dim, S, pattern, mode): median ms (triton.testing.do_bench) of
+sparseflash-triton, FlexAttention and SDPA, triton's TFLOP/s (density-weighted) and the ratios.
+A quick loop for kernel tuning; the benchmark harness (experiments/bench.py) is the record.
+"""
+
+import argparse
+
+import torch
+from triton.testing import do_bench
+
+import sparseflash
+from sparseflash.attention.baselines import Unsupported, flex_attention, sdpa_attention, to_flex_block_mask
+from sparseflash.masks import make
+
+PATTERNS = {"dense": {}, "causal": {}, "butterfly": {}, "local": {"window": 2}, "random": {"density": 0.25}}
+
+
+def ceilings() -> None:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ a, return_mode="median")
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    copy_ms = do_bench(lambda: y.copy_(x), return_mode="median")
+    print(f"ceilings: bf16 matmul {2 * 8192**3 / ms / 1e9:.0f} TFLOP/s, copy {2 * 2**30 / copy_ms / 1e9:.2f} TB/s")
+
+
+def time_mode(fn, q, k, v, mode):
+    if mode == "fwd":
+        with torch.no_grad():
+            return do_bench(lambda: fn(q, k, v), return_mode="median", warmup=50, rep=200)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    do = torch.randn_like(q)
+
+    def step():
+        o = fn(*leaves)
+        o.backward(do)
+
+    return do_bench(step, return_mode="median", warmup=50, rep=200, grad_to_none=leaves)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dims", type=int, nargs="+", default=[128])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"])
+    parser.add_argument("--patterns", nargs="+", default=list(PATTERNS))
+    parser.add_argument("--no-flex", action="store_true")
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__)
+    ceilings()
+    print("| D | S | pattern | mode | density | triton ms | TFLOP/s | flex ms | sdpa ms | flex/triton | sdpa/triton |")
+    for dim in args.dims:
+        heads = 2048 // dim
+        for seq in args.seqs:
+            batch = 16384 // seq
+            q, k, v = (torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            for name in args.patterns:
+                mask = make(name, seq, block=128, **PATTERNS[name])
+                flex_mask = to_flex_block_mask(mask, "cuda")
+                peers = {
+                    "triton": lambda q, k, v: sparseflash.attention(q, k, v, mask, backend="triton"),
+                    "flex": None if args.no_flex else lambda q, k, v: flex_attention(q, k, v, mask, block_mask=flex_mask),
+                    "sdpa": lambda q, k, v: sdpa_attention(q, k, v, mask),
+                }
+                for mode in args.modes:
+                    ms = {}
+                    for peer, fn in peers.items():
+                        try:
+                            ms[peer] = time_mode(fn, q, k, v, mode) if fn else float("nan")
+                        except Unsupported:
+                            ms[peer] = float("nan")
+                    flops = 4 * batch * heads * seq * seq * dim * mask.density * (1 if mode == "fwd" else 3.5)
+                    print(f"| {dim} | {seq} | {name} | {mode} | {mask.density:.3f} | {ms['triton']:.3f} | "
+                          f"{flops / ms['triton'] / 1e9:.0f} | {ms['flex']:.3f} | {ms['sdpa']:.3f} | "
+                          f"{ms['flex'] / ms['triton']:.2f} | {ms['sdpa'] / ms['triton']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    from sparseflash.attention.triton import configs
+
+    for name, cfg in configs._chosen.items():
+        print("tuned:", name, cfg)
