@@ -61,7 +61,7 @@ def plot_png(mask: "BlockMask", path: str, max_heads: int = 4) -> None:
     picture = (mask.full_layout.float() + 0.5 * mask.partial_layout.float()).cpu()
     fig, axes = plt.subplots(1, heads, figsize=(4 * heads, 4), squeeze=False)
     for h, ax in enumerate(axes[0]):
-        ax.imshow(picture[h], cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+        ax.imshow(picture[h].numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
         ax.set_title(f"head {h}" if mask.num_heads > 1 else f"density {mask.density:.3f}")
         ax.set_xlabel(f"key block ({mask.block_size[1]})")
         ax.set_ylabel(f"query block ({mask.block_size[0]})")
