@@ -1,0 +1,115 @@
+"""SparseAttention: shapes, mask specs, GQA, key_lengths, gradients, and that it is plain
+multi-head attention around ``sparseflash.attention``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparseflash
+from sparseflash import SparseAttention
+from sparseflash.masks import make
+from tests.helpers import assert_close
+
+DIM, HEADS = 32, 4
+
+
+def _manual(module: SparseAttention, x: torch.Tensor, mask, key_lengths=None) -> torch.Tensor:
+    """The module's computation written out: projections, reference attention, output projection."""
+    b, s, _ = x.shape
+    hd = module.head_dim
+    q = module.to_q(x).view(b, s, module.heads, hd).transpose(1, 2)
+    kv = module.to_kv(x).view(b, s, 2, module.kv_heads, hd)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    o = sparseflash.attention(q, k, v, mask, key_lengths=key_lengths, backend="reference")
+    return module.to_out(o.transpose(1, 2).reshape(b, s, module.heads * hd))
+
+
+SPECS = {
+    "none": (None, lambda s, h: None),
+    "causal": ("causal", lambda s, h: "causal"),
+    "pattern-name": ("butterfly", lambda s, h: make("butterfly", s)),
+    "dict": ({"pattern": "local", "block": 16, "causal": True, "params": {"window": 1}},
+             lambda s, h: make("local", s, block=16, causal=True, window=1)),
+    "dict-per-head": ({"pattern": "random", "block": 16, "per_head": True, "params": {"density": 0.4, "seed": 3}},
+                      lambda s, h: make("random", s, block=16, heads=h, density=0.4, seed=3)),
+    "block-mask": (make("bigbird", 70, block=16), lambda s, h: make("bigbird", 70, block=16)),
+}
+
+
+@pytest.mark.parametrize("kv_heads", [None, 2, 1], ids=["mha", "gqa2", "mqa"])
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_matches_manual_attention(spec, kv_heads):
+    mask_spec, expected_mask = SPECS[spec]
+    module = SparseAttention(DIM, HEADS, mask=mask_spec, backend="blocked", kv_heads=kv_heads)
+    x = torch.randn(2, 70, DIM)
+    y = module(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_close(y, _manual(module, x, expected_mask(70, HEADS)), 1e-5, "module output")
+
+
+def test_mask_built_once_per_length():
+    module = SparseAttention(DIM, HEADS, mask={"pattern": "butterfly", "block": 16}, backend="blocked")
+    a = module.mask_for(100)
+    assert module.mask_for(100) is a
+    assert a == make("butterfly", 100, block=16)
+    b = module.mask_for(37)
+    assert (b.q_len, b.kv_len) == (37, 37)
+    for s in (100, 37):
+        assert module(torch.randn(1, s, DIM)).shape == (1, s, DIM)
+
+
+def test_key_lengths():
+    module = SparseAttention(DIM, HEADS, mask="causal", backend="blocked", kv_heads=2)
+    x = torch.randn(2, 60, DIM)
+    lengths = torch.tensor([60, 25])
+    y = module(x, key_lengths=lengths)
+    assert_close(y, _manual(module, x, "causal", lengths), 1e-5, "module output with key_lengths")
+    # padding past key_lengths does not change the first 25 positions of the second sequence
+    x2 = x.clone()
+    x2[1, 25:] = torch.randn(35, DIM)
+    assert_close(module(x2, key_lengths=lengths)[1, :25], y[1, :25], 1e-6, "unpadded positions")
+
+
+def test_gradients_flow():
+    module = SparseAttention(DIM, HEADS, mask={"pattern": "random", "block": 16, "per_head": True},
+                             backend="blocked", kv_heads=2)
+    x = torch.randn(2, 50, DIM, requires_grad=True)
+    module(x, key_lengths=torch.tensor([50, 31])).square().mean().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    for name, p in module.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_blocked_and_reference_modules_agree():
+    blocked = SparseAttention(DIM, HEADS, mask={"pattern": "bigbird", "block": 16}, backend="blocked", kv_heads=2)
+    reference = SparseAttention(DIM, HEADS, mask={"pattern": "bigbird", "block": 16}, backend="reference", kv_heads=2)
+    reference.load_state_dict(blocked.state_dict())
+    x = torch.randn(2, 90, DIM)
+    grads = []
+    for module in (blocked, reference):
+        xi = x.clone().requires_grad_(True)
+        y = module(xi)
+        y.backward(torch.ones_like(y))
+        grads.append((y, xi.grad, module.to_q.weight.grad, module.to_kv.weight.grad))
+    for name, a, b in zip(("y", "dx", "dWq", "dWkv"), *grads):
+        assert_close(a, b, 1e-5, name)
+
+
+def test_bad_construction_and_specs():
+    with pytest.raises(ValueError, match=r"need dim % heads == 0 and heads % kv_heads == 0; got dim=30, heads=4, kv_heads=4"):
+        SparseAttention(30, 4)
+    with pytest.raises(ValueError, match=r"got dim=32, heads=4, kv_heads=3"):
+        SparseAttention(32, 4, kv_heads=3)
+    module = SparseAttention(DIM, HEADS, mask={"pattern": "local", "size": 2})
+    with pytest.raises(ValueError, match=r"a mask spec needs 'pattern' and may set .*; got keys \['pattern', 'size'\]"):
+        module(torch.randn(1, 20, DIM))
+    module = SparseAttention(DIM, HEADS, mask={"block": 16})
+    with pytest.raises(ValueError, match=r"got keys \['block'\]"):
+        module(torch.randn(1, 20, DIM))
+    module = SparseAttention(DIM, HEADS, mask=make("dense", 64, block=16))  # built for another length
+    with pytest.raises(ValueError, match=r"mask was built for q_len=64, kv_len=64; the inputs have S_q=20, S_kv=20"):
+        module(torch.randn(1, 20, DIM))
+    module = SparseAttention(DIM, HEADS, mask="no-such-pattern")
+    with pytest.raises(ValueError, match=r"unknown pattern 'no-such-pattern'"):
+        module(torch.randn(1, 20, DIM))
