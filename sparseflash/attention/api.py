@@ -107,7 +107,7 @@ def _check_inputs(q, k, v, key_lengths, scale) -> float:
             raise ValueError(f"key_lengths must be on {q.device}; got {key_lengths.device}")
     if scale is None:
         return 1.0 / math.sqrt(dim)
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number or None; got {scale!r}")
     return float(scale)
 

@@ -103,6 +103,8 @@ def make(
         **params: the pattern's own parameters.
     """
     pattern = get(name)
+    if heads is not None and heads < 1:
+        raise ValueError(f"heads must be None or >= 1; got {heads}")
     kv_len = q_len if kv_len is None else kv_len
     block_m, block_n = normalize_block_size(block)
     n_q, n_kv = -(-q_len // block_m), -(-kv_len // block_n)
@@ -138,6 +140,8 @@ def from_block_fn(
     returns a bool tensor broadcastable to ``[H, n_q, n_kv]``, e.g.
     ``from_block_fn(lambda h, i, j: (i - j).abs() <= 2, q_len=4096)``.
     """
+    if heads is not None and heads < 1:
+        raise ValueError(f"heads must be None or >= 1; got {heads}")
     kv_len = q_len if kv_len is None else kv_len
     block_m, block_n = normalize_block_size(block)
     n_q, n_kv = -(-q_len // block_m), -(-kv_len // block_n)
@@ -159,11 +163,15 @@ def _generator(seed: int, head: int) -> torch.Generator:
 
 def _global(n_q: int, n_kv: int, global_blocks: int) -> torch.Tensor:
     """The first ``global_blocks`` rows and columns."""
+    if global_blocks < 0:
+        raise ValueError(f"global_blocks must be >= 0; got {global_blocks}")
     i, j = _grid(n_q, n_kv)
     return (i < global_blocks) | (j < global_blocks)
 
 
 def _window(n_q: int, n_kv: int, window: int) -> torch.Tensor:
+    if window < 0:
+        raise ValueError(f"window must be >= 0 blocks; got {window}")
     i, j = _grid(n_q, n_kv)
     return (i - j).abs() <= window
 
@@ -228,6 +236,8 @@ def bigbird(
     seed: int = 0, head: int = 0,
 ) -> torch.Tensor:
     """BigBird: window + global + ``random_blocks`` seeded random tiles per row (per head)."""
+    if random_blocks < 0:
+        raise ValueError(f"bigbird random_blocks must be >= 0; got {random_blocks}")
     layout = _window(n_q, n_kv, window) | _global(n_q, n_kv, global_blocks)
     scores = torch.rand(n_q, n_kv, generator=_generator(seed, head))
     picks = scores.argsort(-1)[:, : min(random_blocks, n_kv)]

@@ -89,6 +89,7 @@ ATTENTION_ERRORS = {
     "scale-zero": (lambda: _call(scale=0), r"scale must be a positive finite number or None; got 0"),
     "scale-nan": (lambda: _call(scale=float("nan")), r"scale must be a positive finite number or None; got nan"),
     "scale-inf": (lambda: _call(scale=float("inf")), r"scale must be a positive finite number or None; got inf"),
+    "scale-bool": (lambda: _call(scale=True), r"scale must be a positive finite number or None; got True"),
     "scale-string": (lambda: _call(scale="0.5"), r"scale must be a positive finite number or None; got '0.5'"),
 }
 
@@ -187,6 +188,17 @@ MAKE_ERRORS = {
                         r"strided needs stride >= 1 and 1 <= summary <= stride; got 2, 3"),
     "random-density-0": (lambda: make("random", 64, block=16, density=0.0), r"random density must be in \(0, 1\]; got 0.0"),
     "random-density-big": (lambda: make("random", 64, block=16, density=1.5), r"random density must be in \(0, 1\]; got 1.5"),
+    "longformer-window": (lambda: make("longformer", 64, block=16, window=-1), r"window must be >= 0 blocks; got -1"),
+    "bigbird-window": (lambda: make("bigbird", 64, block=16, window=-2), r"window must be >= 0 blocks; got -2"),
+    "butterfly-global": (lambda: make("butterfly", 64, block=16, global_blocks=-1),
+                         r"global_blocks must be >= 0; got -1"),
+    "longformer-global": (lambda: make("longformer", 64, block=16, global_blocks=-1),
+                          r"global_blocks must be >= 0; got -1"),
+    "bigbird-random-blocks": (lambda: make("bigbird", 64, block=16, random_blocks=-1),
+                              r"bigbird random_blocks must be >= 0; got -1"),
+    "make-heads-0": (lambda: make("random", 64, block=16, heads=0), r"heads must be None or >= 1; got 0"),
+    "from-block-fn-heads-0": (lambda: from_block_fn(lambda h, i, j: i == j, 64, block=16, heads=0),
+                              r"heads must be None or >= 1; got 0"),
     "from-block-fn-dtype": (lambda: from_block_fn(lambda h, i, j: (i - j).abs(), 64, block=16),
                             r"layout must be a bool tensor; got dtype torch.int64"),
 }
