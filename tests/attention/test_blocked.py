@@ -306,3 +306,20 @@ def test_auto_is_blocked_on_cpu():
     auto = sparseflash.attention(q, k, v, mask)
     assert torch.equal(auto, sparseflash.attention(q, k, v, mask, backend="blocked"))
     assert_close(auto, sparseflash.attention(q, k, v, mask, backend="reference"), 1e-5, "o")
+
+
+
+def test_never_materialises_the_element_mask(monkeypatch):
+    """The blocked loop reads the tables only: no S_q x S_kv element mask is ever built."""
+    mask = make("butterfly", 1000, block=64)
+    q, k, v, do = _inputs(1, 2, 2, 1000, 1000, 8, torch.float32)
+
+    def forbidden(self):
+        raise AssertionError("the blocked backend must not call BlockMask.to_dense()")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(BlockMask, "to_dense", forbidden)
+        got = attention_with_grads("blocked", q, k, v, mask, do)
+    want = attention_with_grads("reference", q, k, v, mask, do)
+    for name, a, b in zip(NAMES, got, want):
+        assert_close(a, b, 1e-5, name)
