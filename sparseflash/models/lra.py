@@ -11,12 +11,14 @@ the number of distinct lengths (and hence of masks built) stays small.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from sparseflash.attention import SparseAttention
+from sparseflash.masks import get as get_pattern
 
 
 def sinusoidal_positions(length: int, dim: int) -> torch.Tensor:
@@ -144,13 +146,22 @@ class DualEncoderClassifier(nn.Module):
 
 def mask_spec(attention_cfg: Mapping[str, Any]) -> dict:
     """The ``SparseAttention`` mask spec of an ``attention`` config (pattern, block, causal,
-    per_head, params)."""
+    per_head, params). Params the pattern does not take (left over when only ``attention.pattern``
+    is changed on the command line) are dropped with a warning; an unknown pattern raises."""
+    name = str(attention_cfg.get("pattern", "dense"))
+    params = dict(attention_cfg.get("params") or {})
+    accepted = set(get_pattern(name).params)
+    dropped = sorted(set(params) - accepted)
+    if dropped:  # e.g. butterfly's params left over after attention.pattern=local on the command line
+        warnings.warn(f"attention.params {dropped} are not parameters of pattern {name!r} "
+                      f"(it takes {sorted(accepted)}); ignoring them")
+        params = {k: v for k, v in params.items() if k in accepted}
     return {
-        "pattern": str(attention_cfg.get("pattern", "dense")),
+        "pattern": name,
         "block": int(attention_cfg.get("block", 128)),
         "causal": bool(attention_cfg.get("causal", False)),
         "per_head": bool(attention_cfg.get("per_head", False)),
-        "params": dict(attention_cfg.get("params") or {}),
+        "params": params,
     }
 
 

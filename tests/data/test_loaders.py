@@ -1,0 +1,85 @@
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from sparseflash.data import MissingDataError, build_task, collate, pathfinder, seeded_split
+from tests.data.fixtures import write_aan, write_cifar, write_imdb, write_pathfinder_release
+
+
+def test_pathfinder_generator_seeded_and_cached(tmp_path):
+    a, ya = pathfinder.generate(6, seed=1, workers=1)
+    b, yb = pathfinder.generate(6, seed=1, workers=1)
+    assert a.shape == (6, 32, 32) and a.dtype == np.uint8
+    assert (a == b).all() and (ya == yb).all()
+    assert (a.reshape(6, -1).max(1) == 255).all()  # markers are drawn at full intensity
+    big, _ = pathfinder.generate(2, size=64, seed=0, workers=1)
+    assert big.shape == (2, 64, 64)
+    imgs, labels = pathfinder.load_generated(tmp_path, 8, 32, 0, {})
+    cached = list(tmp_path.glob("generated_32_8_seed0.npz"))
+    assert cached and (pathfinder.load_generated(tmp_path, 8, 32, 0, {})[0] == imgs).all()
+
+
+def test_pathfinder_release_skips_unreadable(tmp_path):
+    write_pathfinder_release(tmp_path, n=20, bad=2)
+    cfg = OmegaConf.create({"name": "pathfinder", "data_dir": str(tmp_path), "generate": False})
+    with pytest.warns(UserWarning, match="skipped 2 unreadable"):
+        task = build_task(cfg)
+    assert len(task.train) + len(task.val) + len(task.test) == 18
+    assert task.max_len == 1024 and task.num_classes == 2
+
+
+def test_cifar_grey_sequences(tmp_path):
+    write_cifar(tmp_path, per_batch=10)
+    cfg = OmegaConf.create({"name": "image", "source": "cifar10", "data_dir": str(tmp_path), "val_size": 5})
+    task = build_task(cfg)
+    assert (len(task.train), len(task.val), len(task.test)) == (45, 5, 10)
+    seq, label = task.train[0]
+    assert seq.shape == (1024,) and 1 <= seq.min() and seq.max() <= 256 and 0 <= label < 10
+
+
+def test_digits_stand_in():
+    task = build_task(OmegaConf.create({"name": "image", "source": "digits", "data_dir": None}))
+    assert len(task.train) + len(task.val) + len(task.test) == 1797
+    assert task.train[0][0].shape == (1024,)
+
+
+def test_imdb_bytes(tmp_path):
+    write_imdb(tmp_path, per_class=6)
+    task = build_task(OmegaConf.create({"name": "text", "data_dir": str(tmp_path), "max_len": 40,
+                                        "val_fraction": 0.25}))
+    assert len(task.test) == 12 and len(task.train) + len(task.val) == 12
+    assert max(len(s) for s in task.train.seqs) <= 40
+    first = task.test.seqs[0]
+    assert bytes((first - 1).astype(np.uint8).tolist()).startswith(b"dull")
+
+
+def test_aan_pairs(tmp_path):
+    write_aan(tmp_path, n=10)
+    task = build_task(OmegaConf.create({"name": "retrieval", "data_dir": str(tmp_path), "max_len": 12}))
+    assert task.pair and len(task.train) == 10 and list(task.test.labels[:4]) == [0, 1, 0, 1]
+    batch = collate([task.train[i] for i in range(4)])
+    assert set(batch) == {"x", "lengths", "x2", "lengths2", "y"} and batch["x"].shape[1] <= 12
+
+
+@pytest.mark.parametrize("name,extra,expect", [
+    ("listops", {"generate": False}, "basic_train.tsv"),
+    ("pathfinder", {"generate": False}, "curv_contour_length_14"),
+    ("image", {"source": "cifar10"}, "cifar-10-batches-py"),
+    ("text", {}, "aclImdb"),
+    ("retrieval", {}, "new_aan_pairs"),
+])
+def test_missing_data_error(tmp_path, name, extra, expect):
+    cfg = OmegaConf.create({"name": name, "data_dir": str(tmp_path / "nowhere"), "max_len": 100, **extra})
+    with pytest.raises(MissingDataError) as err:
+        build_task(cfg)
+    msg = str(err.value)
+    assert str(tmp_path / "nowhere") in msg and expect in msg and "task.data_dir" in msg
+    assert "Expected layout" in msg
+
+
+def test_collate_and_split():
+    batch = collate([(np.array([3, 4, 5]), 1), (np.array([7]), 0)])
+    assert batch["x"].tolist() == [[3, 4, 5], [7, 0, 0]] and batch["lengths"].tolist() == [3, 1]
+    a, b, c = seeded_split(10, [0.6, 0.2, -1], seed=0)
+    assert sorted(np.concatenate([a, b, c]).tolist()) == list(range(10)) and len(c) == 2
+    assert (seeded_split(10, [5, -1], seed=1)[0] == seeded_split(10, [5, -1], seed=1)[0]).all()

@@ -1,0 +1,48 @@
+import pytest
+import torch
+
+from sparseflash.models import Encoder, build_model, sinusoidal_positions
+
+ATTN = {"pattern": "dense", "block": 16, "backend": "blocked", "params": {}}
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+@pytest.mark.parametrize("pattern", ["dense", "butterfly"])
+def test_padding_is_never_attended(pool, pattern):
+    enc = Encoder(vocab_size=20, max_len=70, dim=32, depth=2, heads=2, mlp_dim=64, pool=pool,
+                  mask={"pattern": pattern, "block": 16}, backend="blocked", pad_multiple=16).eval()
+    x = torch.randint(1, 20, (2, 40))
+    lengths = torch.tensor([40, 25])
+    out = enc(x, lengths)
+    junk = torch.cat([x, torch.randint(1, 20, (2, 30))], dim=1)  # garbage past the lengths
+    junk[1, 25:40] = torch.randint(1, 20, (15,))
+    assert torch.allclose(enc(junk, lengths), out, atol=1e-5)
+    alone = enc(x[1:, :25], lengths[1:])
+    assert torch.allclose(alone, out[1:], atol=1e-5)
+
+
+def test_classifier_dual_encoder_and_options():
+    model = build_model({"dim": 32, "depth": 1, "heads": 2, "mlp_dim": 64, "embedding": "pixel",
+                         "positions": "sinusoidal", "pool": "mean"}, ATTN, vocab_size=257, max_len=64,
+                        num_classes=10)
+    batch = {"x": torch.randint(1, 257, (3, 64)), "lengths": torch.full((3,), 64)}
+    assert model(batch).shape == (3, 10)
+    dual = build_model({"dim": 32, "depth": 1, "heads": 2, "mlp_dim": 64}, ATTN, vocab_size=257, max_len=30,
+                       num_classes=2, pair=True)
+    batch = {"x": torch.randint(1, 257, (2, 30)), "lengths": torch.tensor([30, 12]),
+             "x2": torch.randint(1, 257, (2, 20)), "lengths2": torch.tensor([5, 20])}
+    logits = dual(batch)
+    assert logits.shape == (2, 2)
+    logits.sum().backward()
+    assert all(p.grad is not None for p in dual.parameters() if p.requires_grad)
+
+
+def test_mask_from_attention_config():
+    model = build_model({"dim": 32, "depth": 1, "heads": 2, "mlp_dim": 64},
+                        {"pattern": "butterfly", "block": 16, "backend": "blocked", "params": {"factors": None}},
+                        vocab_size=20, max_len=255, num_classes=10)
+    mask = model.encoder.attention_mask(255)
+    assert mask.q_len == 256 and mask.density < 0.5
+    assert sinusoidal_positions(10, 8).shape == (10, 8)
+    with pytest.raises(ValueError, match="max_len"):
+        model({"x": torch.ones(1, 300, dtype=torch.long), "lengths": torch.tensor([300])})

@@ -1,0 +1,76 @@
+"""Every config composes: each experiment preset with each attention, any registered pattern."""
+
+from pathlib import Path
+
+import warnings
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import sparseflash
+from sparseflash.models import mask_spec
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+EXPERIMENTS = [None, "smoke", "lra/listops", "lra/pathfinder", "lra/image", "lra/text", "lra/retrieval"]
+ATTENTIONS = sorted(p.stem for p in (Path(CONFIG_DIR) / "attention").glob("*.yaml"))
+
+
+def compose_train(overrides, hydra_cfg=False):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose("train", overrides=overrides, return_hydra_config=hydra_cfg)
+
+
+def test_attention_group_is_complete():
+    assert set(ATTENTIONS) >= {"dense", "causal", "butterfly", "local", "bigbird", "longformer", "strided", "random"}
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_preset_times_attention(experiment, attention, tmp_path):
+    overrides = [f"attention={attention}", f"data_root={tmp_path}"]
+    if experiment:
+        overrides.append(f"experiment={experiment}")
+    cfg = compose_train(overrides)
+    OmegaConf.resolve(cfg)
+    assert cfg.attention.pattern in sparseflash.masks.registered()
+    spec = mask_spec(cfg.attention)
+    mask = sparseflash.masks.make(spec["pattern"], 512, block=spec["block"], causal=spec["causal"],
+                                  heads=cfg.model.heads if spec["per_head"] else None, **spec["params"])
+    assert 0 < mask.density <= 1
+    assert cfg.model.dim % cfg.model.heads == 0
+    assert cfg.task.name in ("listops", "pathfinder", "image", "text", "retrieval")
+    assert cfg.trainer.max_steps > 0 and cfg.logger.wandb is None
+
+
+def test_default_is_small_listops_with_butterfly():
+    cfg = compose_train([])
+    assert cfg.task.name == "listops" and cfg.attention.pattern == "butterfly" and cfg.logger.wandb is None
+
+
+def test_lra_listops_matches_lra_config():
+    cfg = compose_train(["experiment=lra/listops"])
+    assert (cfg.trainer.max_steps, cfg.trainer.batch_size, cfg.trainer.warmup_steps) == (5000, 32, 1000)
+    assert (cfg.model.dim, cfg.model.depth, cfg.model.heads, cfg.model.mlp_dim) == (512, 6, 8, 2048)
+    assert cfg.task.max_len == 2000 and cfg.trainer.schedule == "rsqrt"
+
+
+@pytest.mark.parametrize("pattern", sparseflash.masks.registered())
+def test_any_registered_pattern_by_name(pattern):
+    cfg = compose_train([f"attention.pattern={pattern}"])  # the default's (butterfly's) params are left over
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = mask_spec(cfg.attention)
+    sparseflash.masks.make(spec["pattern"], 256, block=spec["block"], **spec["params"])
+
+
+def test_pattern_params_from_the_command_line():
+    cfg = compose_train(["attention=local", "attention.params.window=3", "+attention.params.extra=1"])
+    assert cfg.attention.params.window == 3 and cfg.attention.params.extra == 1
+
+
+def test_logger_and_launcher_groups():
+    cfg = compose_train(["logger=wandb"])
+    assert cfg.logger.wandb.mode == "offline"
+    cfg = compose_train(["hydra/launcher=submitit_slurm"], hydra_cfg=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
