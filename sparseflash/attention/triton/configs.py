@@ -3,9 +3,10 @@
 On first use of a key, each candidate config is timed on the real inputs (median of
 ``triton.testing.do_bench``) and the fastest kept, in memory and in
 ``$SPARSEFLASH_CACHE_DIR/tuning.json`` (default ``~/.cache/sparseflash``), keyed by GPU name and
-Triton version. The key holds the loop's trip count (mask blocks per query row, log2-bucketed),
-since short loops favour other tiles than long ones; sequence lengths themselves are not
-specialised on, so a new length never recompiles (a new bucket re-times compiled configs). Under the interpreter (``TRITON_INTERPRET=1``) no tuning
+Triton version. The key also holds two log2 buckets of the problem: the loop's trip count (mask
+blocks per query row) and the grid's size (batch x heads x query tiles), since short loops and
+small grids favour other tiles than the long, full ones. Sequence lengths themselves are not
+specialised on, so a new length never recompiles (a new bucket only re-times compiled configs). Under the interpreter (``TRITON_INTERPRET=1``) no tuning
 runs: small tiles keep the CPU tests fast and exercise several tiles per mask block.
 Set ``SPARSEFLASH_TUNE=0`` to skip tuning and take each list's first candidate.
 """
@@ -40,14 +41,17 @@ class ConfigKey:
     sparse_block: tuple[int, int]
     causal: bool
     row_work: int  # log2 of the mean mask blocks per query row: the loop's trip count
+    parallelism: int  # log2 of batch x heads x 128-row query tiles: how well a grid fills the GPU
     device: str
 
     @classmethod
     def of(cls, q: torch.Tensor, mask, padded_dim: int) -> "ConfigKey":
         device = _device_name(q.device)
         blocks_per_row = max(1.0, mask.layout.sum().item() / (mask.num_heads * mask.layout.shape[1]))
+        tiles = q.shape[0] * q.shape[1] * -(-q.shape[2] // 128)
         return cls(padded_dim, str(q.dtype).removeprefix("torch."), mask.kind.name,
-                   tuple(mask.block_size), mask.causal, round(math.log2(blocks_per_row)), device)
+                   tuple(mask.block_size), mask.causal, round(math.log2(blocks_per_row)),
+                   round(math.log2(tiles)), device)
 
     @property
     def dot_precision(self) -> str:
