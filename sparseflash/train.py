@@ -2,6 +2,7 @@
 
 - AdamW; linear warm-up then ``constant``/``linear``/``cosine``/``rsqrt`` decay; gradient clipping;
   bf16 autocast on CUDA (``trainer.precision``).
+- ``trainer.max_time`` (seconds) ends training early, still testing the best weights.
 - Evaluation every ``trainer.eval_every`` steps; the weights with the best validation accuracy
   are kept and the test set is scored with them (not with the last weights).
 - Checkpoints (``<run_dir>/checkpoints/last.pt``, written atomically: tmp file + rename) hold
@@ -362,6 +363,7 @@ def _run(cfg: DictConfig, tr: DictConfig, ctx: Dist, run_dir) -> dict:
     eval_every, ckpt_every = int(tr.eval_every), int(tr.get("checkpoint_every") or 0)
     log_every, print_every = max(1, int(tr.get("log_every", 1))), max(1, int(tr.get("print_every", 10)))
     stop_after = tr.get("stop_after")
+    max_time, timed_out = tr.get("max_time"), False
     clip = float(tr.get("grad_clip") or 0.0)
     bar = _progress(max_steps, step, bool(tr.get("progress", True)) and ctx.main)
 
@@ -429,6 +431,12 @@ def _run(cfg: DictConfig, tr: DictConfig, ctx: Dist, run_dir) -> dict:
                 if ctx.main:
                     _print(bar, f"step {step}/{max_steps} | val_loss {val['loss']:.4f} | val_acc {val['acc']:.3f}"
                                 f"{' (best)' if improved else ''}")
+            if max_time and elapsed + time.time() - t_start > float(max_time) and step < max_steps:
+                if ctx.main:
+                    _print(bar, f"trainer.max_time={max_time}s reached at step {step}: stopping early, "
+                                f"testing the best-validation weights")
+                timed_out = True
+                break
             stop_now = stop_after is not None and step >= int(stop_after)
             flag = ctx.sum([1.0 if interrupted["flag"] else 0.0])[0] > 0
             if (ckpt_every and step % ckpt_every == 0) or stop_now or flag:
@@ -452,6 +460,13 @@ def _run(cfg: DictConfig, tr: DictConfig, ctx: Dist, run_dir) -> dict:
             signal.signal(signal.SIGTERM, previous)
     if bar is not None:
         bar.close()
+    if timed_out and eval_every > 0 and step % eval_every:
+        val = evaluate(module, task.val, batch_size=eval_bs, device=device, autocast=autocast, ctx=ctx,
+                       max_batches=tr.get("eval_batches"))
+        if val["acc"] > best_val:
+            best_val, best_step = val["acc"], step
+            best_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        logger.log({"val_loss": val["loss"], "val_acc": val["acc"], "best_val_acc": best_val}, step=step)
     if int(tr.get("checkpoint_every") or 0) or cfg.get("resume", False):
         checkpoint()
 
@@ -466,7 +481,8 @@ def _run(cfg: DictConfig, tr: DictConfig, ctx: Dist, run_dir) -> dict:
     results = {"test_acc": test["acc"], "test_loss": test["loss"], "best_val_acc": best_val,
                "best_step": best_step, "total_time": total_time, "steps": step,
                "mask_density": density, "majority": task.info.get("majority", 0.0),
-               "task": task.name, "attention": str(cfg.attention.pattern), "n_params": n_params}
+               "task": task.name, "attention": str(cfg.attention.pattern), "n_params": n_params,
+               "time_limited": timed_out}
     logger.log({**results, "mask": picture}, step=step)
     if ctx.main:
         if logger.wandb is not None:

@@ -183,7 +183,6 @@ def test_wandb_offline_run_has_the_history(tmp_path, monkeypatch):
 def test_logger_none_writes_no_wandb(tmp_path):
     run(make_cfg(tmp_path, "trainer.max_steps=2"), run_dir=tmp_path / "run")
     assert not list(tmp_path.rglob("wandb"))
-    assert "wandb" not in sys.modules or True  # importing is allowed elsewhere; nothing was written
 
 
 def test_lr_schedules():

@@ -205,3 +205,28 @@ def build(cfg, seed: int = 0) -> TaskData:
     longest = max(max((len(s) for s in d.seqs), default=1) for d in (train, val, test))
     return TaskData("listops", train, val, test, num_classes=10, vocab_size=VOCAB_SIZE,
                     max_len=min(max_len, longest), info={"majority": test.majority()})
+
+
+def main(argv=None) -> None:
+    """``python -m sparseflash.data.listops OUT_DIR``: write LRA's ListOps files (defaults: 96K/2K/2K
+    expressions of length 500-2000) into OUT_DIR, with every CPU core."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("out_dir")
+    ap.add_argument("--train", type=int, default=96000)
+    ap.add_argument("--val", type=int, default=2000)
+    ap.add_argument("--test", type=int, default=2000)
+    ap.add_argument("--min-length", type=int, default=500)
+    ap.add_argument("--max-length", type=int, default=2000)
+    ap.add_argument("--max-depth", type=int, default=10)
+    ap.add_argument("--max-args", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix", default="basic")
+    a = ap.parse_args(argv)
+    params = {"min_length": a.min_length, "max_length": a.max_length, "max_depth": a.max_depth, "max_args": a.max_args}
+    ensure_generated(a.out_dir, a.prefix, params, {"train": a.train, "val": a.val, "test": a.test}, a.seed)
+
+
+if __name__ == "__main__":
+    main()
