@@ -4,16 +4,19 @@
 # {dense,butterfly}_metrics.jsonl, {dense,butterfly}_results.json, summary.txt.
 #   bash scripts/lra_gpu.sh                 # from the repository root, with .whl/ carried along
 # Knobs (environment): STEPS (5000), EVAL_EVERY (250), MAX_TIME (seconds of training per run, 420),
-# PATTERNS ("dense butterfly"), DATA (/tmp/lra_data).
+# PATTERNS ("dense butterfly"), DATA (/tmp/lra_data), EXTRA (more Hydra overrides for both runs),
+# GEN_ARGS (arguments of the ListOps generator; they must agree with the task config).
 set -uo pipefail
 OUT=${OUT:-outputs/lra_gpu}
 STEPS=${STEPS:-5000}
 EVAL_EVERY=${EVAL_EVERY:-250}
 MAX_TIME=${MAX_TIME:-420}
 PATTERNS=${PATTERNS:-"dense butterfly"}
+EXTRA=${EXTRA:-}
+GEN_ARGS=${GEN_ARGS:-}
 export SPARSEFLASH_DATA=${DATA:-/tmp/lra_data}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -z "${SKIP_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=.:/tmp/site || exit 1
 else
@@ -25,7 +28,7 @@ t0=$(date +%s)
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt" 2>&1
 
 # 1. LRA's ListOps (96K/2K/2K, length 500-2000), generated once with every core (~30-60 s).
-python3 -m sparseflash.data.listops "$SPARSEFLASH_DATA/listops-1000" || exit 1
+python3 -m sparseflash.data.listops "$SPARSEFLASH_DATA/listops-1000" $GEN_ARGS || exit 1
 echo "data ready after $(( $(date +%s) - t0 ))s" >> "$OUT/gpu.txt"
 
 # 2. Both runs at once on the one GPU. LRA evaluates every 20 steps on 20 batches; here every
@@ -34,7 +37,7 @@ echo "data ready after $(( $(date +%s) - t0 ))s" >> "$OUT/gpu.txt"
 for a in $PATTERNS; do
   python3 experiments/train.py experiment=lra/listops attention=$a hydra.run.dir=/tmp/lra_runs/$a \
     trainer.max_steps=$STEPS trainer.eval_every=$EVAL_EVERY trainer.max_time=$MAX_TIME \
-    trainer.progress=false trainer.checkpoint_every=0 > "$OUT/$a.log" 2>&1 &
+    trainer.progress=false trainer.checkpoint_every=0 $EXTRA > "$OUT/$a.log" 2>&1 &
 done
 wait
 for a in $PATTERNS; do

@@ -477,7 +477,7 @@ def _run(cfg: DictConfig, tr: DictConfig, ctx: Dist, run_dir) -> dict:
         module.load_state_dict(best_state)
     test = evaluate(module, task.test, batch_size=eval_bs, device=device, autocast=autocast, ctx=ctx)
     total_time = elapsed + time.time() - t_start
-    picture = str(mask) if mask is not None and not isinstance(mask, str) else str(mask)
+    picture = str(mask)
     results = {"test_acc": test["acc"], "test_loss": test["loss"], "best_val_acc": best_val,
                "best_step": best_step, "total_time": total_time, "steps": step,
                "mask_density": density, "majority": task.info.get("majority", 0.0),
