@@ -184,6 +184,13 @@ class BlockMask:
         return self._kind
 
     @property
+    def mean_row_blocks(self) -> float:
+        """Mean computed tiles per query-block row (cached: reading it costs no device sync)."""
+        if not hasattr(self, "_mean_row_blocks"):
+            self._mean_row_blocks = self.layout.sum().item() / (self.num_heads * self.layout.shape[1])
+        return self._mean_row_blocks
+
+    @property
     def full_layout(self) -> torch.Tensor:
         """``[H_or_1, n_q, n_kv]``: computed tiles that need no element mask."""
         return self.layout & ~self._partial_tiles

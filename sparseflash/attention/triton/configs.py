@@ -47,7 +47,7 @@ class ConfigKey:
     @classmethod
     def of(cls, q: torch.Tensor, mask, padded_dim: int) -> "ConfigKey":
         device = _device_name(q.device)
-        blocks_per_row = max(1.0, mask.layout.sum().item() / (mask.num_heads * mask.layout.shape[1]))
+        blocks_per_row = max(1.0, mask.mean_row_blocks)
         tiles = q.shape[0] * q.shape[1] * -(-q.shape[2] // 128)
         return cls(padded_dim, str(q.dtype).removeprefix("torch."), mask.kind.name,
                    tuple(mask.block_size), mask.causal, round(math.log2(blocks_per_row)),
