@@ -88,9 +88,13 @@ class Dist:
         dist.all_gather_object(out, obj)
         return out
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         if self.enabled and dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                if wait:  # let every rank finish (rank 0 writes last) before tearing gloo down
+                    dist.barrier()
+            finally:
+                dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- data stream
@@ -261,9 +265,12 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     tr = cfg.trainer
     ctx = Dist(str(cfg.get("device", "auto")))
     try:
-        return _run(cfg, tr, ctx, run_dir)
-    finally:
-        ctx.close()
+        results = _run(cfg, tr, ctx, run_dir)
+    except BaseException:
+        ctx.close(wait=False)  # a failed rank must not wait for the others
+        raise
+    ctx.close()
+    return results
 
 
 def _run(cfg: DictConfig, tr: DictConfig, ctx: Dist, run_dir) -> dict:

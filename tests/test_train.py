@@ -203,7 +203,7 @@ def test_ddp_two_cpu_processes(tmp_path):
            f"hydra.run.dir={run_dir}", "trainer.max_steps=4", "trainer.eval_every=2", "trainer.batch_size=8",
            "device=cpu"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-1000:]
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records if "step_time" in r] == [1, 2, 3, 4]  # logged once (rank 0 only)
     assert "test_acc" in records[-1]
