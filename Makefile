@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-run: demo
+run: install
+	$(PY) experiments/train.py
 
 demo: install
 	$(PY) -m sparseflash.demo
