@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from sparseflash.attention.triton import configs
-from sparseflash.attention.triton.forward import KernelInputs, mma, row_tile_ranges, strides, tile_start
+from sparseflash.attention.triton.forward import (KernelInputs, key_tile_scores, mma, row_tile_ranges, strides,
+                                                  tile_start)
 
 
 @triton.jit(do_not_specialize=["q_len"])
@@ -178,21 +179,9 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
     """Accumulate dQ of one query tile over key tiles t_lo..t_hi-1."""
     for t in range(t_lo, t_hi):
         offs_kv = tile_start(t, idx_ptr, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
-        k_ptrs = k_base + offs_kv[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (D, BN)
-        v_ptrs = v_base + offs_kv[None, :] * stride_vn + offs_d[:, None] * stride_vd  # (D, BN)
-        if APPLY_KV_BOUND or D_PADDED:
-            kv_in = (offs_kv[None, :] < kv_bound) & (offs_d[:, None] < head_dim)
-            k_t = tl.load(k_ptrs, mask=kv_in, other=0.0)
-            v_t = tl.load(v_ptrs, mask=kv_in, other=0.0)
-        else:
-            k_t = tl.load(k_ptrs)
-            v_t = tl.load(v_ptrs)
-        s = mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS) * qk_scale
-        if APPLY_CAUSAL or APPLY_KV_BOUND:
-            keep = offs_kv[None, :] < kv_bound
-            if APPLY_CAUSAL:
-                keep = keep & (offs_m[:, None] >= offs_kv[None, :])
-            s = tl.where(keep, s, float("-inf"))
+        s, k_t, v_t = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m,
+                                      offs_kv, offs_d, kv_bound, head_dim, qk_scale, APPLY_CAUSAL, APPLY_KV_BOUND,
+                                      D_PADDED, True, DOT_PRECISION, WIDEN_DOTS)
         p = tl.math.exp2(s - lse[:, None])
         dp = mma(do, v_t, None, DOT_PRECISION, WIDEN_DOTS)
         ds = p * (dp - delta[:, None])

@@ -79,6 +79,39 @@ def row_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound
 
 
 @triton.jit
+def key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv, offs_d,
+                    kv_bound, head_dim, qk_scale, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
+                    D_PADDED: tl.constexpr, V_TRANSPOSED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    WIDEN_DOTS: tl.constexpr):
+    """Load the key tile at offs_kv and score it against q.
+
+    Returns the base-2 scores (BM, BN) with dropped ones at -inf (keys past kv_bound; and, with
+    APPLY_CAUSAL, keys after the query), k^T (D, BN), and v as (BN, D), or (D, BN) with V_TRANSPOSED."""
+    k_ptrs = k_base + offs_kv[None, :] * stride_kn + offs_d[:, None] * stride_kd
+    if V_TRANSPOSED:
+        v_ptrs = v_base + offs_kv[None, :] * stride_vn + offs_d[:, None] * stride_vd
+    else:
+        v_ptrs = v_base + offs_kv[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if APPLY_KV_BOUND or D_PADDED:
+        k_in = (offs_kv[None, :] < kv_bound) & (offs_d[:, None] < head_dim)
+        k_t = tl.load(k_ptrs, mask=k_in, other=0.0)
+        if V_TRANSPOSED:
+            v = tl.load(v_ptrs, mask=k_in, other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=(offs_kv[:, None] < kv_bound) & (offs_d[None, :] < head_dim), other=0.0)
+    else:
+        k_t = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS) * qk_scale
+    if APPLY_CAUSAL or APPLY_KV_BOUND:
+        keep = offs_kv[None, :] < kv_bound
+        if APPLY_CAUSAL:
+            keep = keep & (offs_m[:, None] >= offs_kv[None, :])
+        s = tl.where(keep, s, float("-inf"))
+    return s, k_t, v
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
                FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
@@ -86,28 +119,14 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
                DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Online softmax over key tiles t_lo..t_hi-1 of one query tile."""
     for t in range(t_lo, t_hi):
-        start_n = tile_start(t, idx_ptr, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
-        offs_kv = start_n + offs_n
-        k_ptrs = k_base + offs_kv[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (D, BN)
-        v_ptrs = v_base + offs_kv[:, None] * stride_vn + offs_d[None, :] * stride_vd  # (BN, D)
-        if APPLY_KV_BOUND or D_PADDED:
-            kv_in = offs_kv < kv_bound
-            d_in = offs_d < head_dim
-            k = tl.load(k_ptrs, mask=kv_in[None, :] & d_in[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=kv_in[:, None] & d_in[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        s = mma(q, k, None, DOT_PRECISION, WIDEN_DOTS) * qk_scale
+        offs_kv = tile_start(t, idx_ptr, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
+        s, _, v = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv,
+                                  offs_d, kv_bound, head_dim, qk_scale, APPLY_CAUSAL, APPLY_KV_BOUND, D_PADDED,
+                                  False, DOT_PRECISION, WIDEN_DOTS)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         if APPLY_CAUSAL or APPLY_KV_BOUND:
-            keep = offs_kv[None, :] < kv_bound
-            if APPLY_CAUSAL:
-                keep = keep & (offs_m[:, None] >= offs_kv[None, :])
-            s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_ref = m_new
         p = tl.math.exp2(s - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
