@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from sparseflash.attention import BACKENDS, attention, resolve_backend
+from sparseflash.attention import attention, resolve_backend
 from sparseflash.attention import baselines
 from sparseflash.bench.spec import reference_bytes
 from sparseflash.masks import BlockMask, MaskKind
@@ -56,12 +56,6 @@ def _sparseflash(backend: str) -> Builder:
     return build
 
 
-def _triton_skip(q, mask, ctx):
-    if "triton" not in BACKENDS:
-        return "sparseflash.attention.BACKENDS has no 'triton' backend yet"
-    return None
-
-
 def _reference_skip(q, mask, ctx):
     need = reference_bytes(q.shape[0], q.shape[1], mask.q_len, mask.kv_len) / 2**30
     if need > ctx.reference_max_gb:
@@ -88,7 +82,7 @@ REGISTRY: dict[str, HarnessBackend] = {
     "sparseflash-blocked": HarnessBackend("sparseflash-blocked", _sparseflash("blocked"), lambda d: "blocked"),
     "sparseflash-triton": HarnessBackend(
         "sparseflash-triton", _sparseflash("triton"), lambda d: "triton",
-        cuda_only="timed on CUDA only (on CPU Triton runs under its interpreter)", extra_skip=_triton_skip),
+        cuda_only="timed on CUDA only (on CPU Triton runs under its interpreter)"),
     "reference": HarnessBackend("reference", _sparseflash("reference"), lambda d: "reference",
                                 extra_skip=_reference_skip),
     "sdpa": HarnessBackend("sdpa", _sdpa(None), lambda d: "sdpa", cuda_only=_CPU_PEER, dense_causal_only=True),
