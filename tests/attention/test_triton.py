@@ -80,6 +80,8 @@ CPU_CASES = [
     ("bigbird", 111, 111, 64, torch.bfloat16, False, True),
     ("empty-rows", 100, 100, 8, torch.float16, False, False),
     ("dense", 63, 63, 40, torch.float32, False, False),
+    ("causal", 45, 45, 1, torch.float16, False, True),
+    ("random-per-head", 70, 70, 256, torch.bfloat16, True, False),
     ("butterfly", 100, 100, 24, torch.float32, True, True),
 ]
 
@@ -147,6 +149,17 @@ def test_gpu_matches_reference(pattern, seq_len, dim, dtype):
     want = attention_with_grads("reference", q, k, v, mask, do, lengths)
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
         assert_close(a, b, TOL[dtype], name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [1, 40, 96, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("pattern", ["causal", "butterfly"])
+def test_gpu_padded_head_dims(pattern, dim):
+    q, k, v, do = _inputs(2, 4, 2, 1000, 1000, dim, torch.bfloat16, "cuda")
+    mask = make(pattern, 1000, block=128)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), attention_with_grads("triton", q, k, v, mask, do),
+                          attention_with_grads("reference", q, k, v, mask, do)):
+        assert_close(a, b, TOL[torch.bfloat16], name)
 
 
 @pytest.mark.gpu
