@@ -34,7 +34,6 @@ class Unsupported(ValueError):
 
 
 # ---------------------------------------------------------------------------- torch SDPA
-SDPA_KERNELS = ("flash", "cudnn", "efficient", "math")
 
 
 def _sdpa_context(kernel: str | None):

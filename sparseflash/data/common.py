@@ -61,9 +61,9 @@ class SequenceDataset(torch.utils.data.Dataset):
 
 
 def pad_batch(seqs: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad 1-D token arrays with 0: ``(tokens [B, S_max], lengths [B])``."""
+    """Right-pad 1-D token arrays with ``PAD``: ``(tokens [B, S_max], lengths [B])``."""
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-    out = torch.zeros(len(seqs), int(lengths.max()) if len(seqs) else 0, dtype=torch.long)
+    out = torch.full((len(seqs), int(lengths.max()) if len(seqs) else 0), PAD, dtype=torch.long)
     for row, s in enumerate(seqs):
         out[row, : len(s)] = torch.as_tensor(np.asarray(s, dtype=np.int64))
     return out, lengths

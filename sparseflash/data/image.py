@@ -47,7 +47,7 @@ def load_cifar10(data_dir, val_size: int = 5000, split_seed: int = 0):
             hint="Or use the offline stand-in: task=image_digits (scikit-learn's digits).")
     parts = [_load_batch(f) for f in files[:5]]
     x, y = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-    train_idx, val_idx = seeded_split(len(y), [-1 if False else len(y) - val_size, val_size], split_seed)
+    train_idx, val_idx = seeded_split(len(y), [len(y) - val_size, val_size], split_seed)
     full = _dataset(x, y)
     return full.subset(train_idx), full.subset(val_idx), _dataset(*_load_batch(files[5]))
 
