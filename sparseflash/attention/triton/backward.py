@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from sparseflash.attention.triton import configs
-from sparseflash.attention.triton.forward import (KernelInputs, key_tile_scores, mma, row_tile_ranges, strides,
-                                                  tile_start)
+from sparseflash.attention.triton.forward import (ROW_LENGTH_ARGS, KernelInputs, key_tile_scores, mma, row_tile_ranges,
+                                                  strides, tile_start)
 
 
 @triton.jit(do_not_specialize=["q_len"])
@@ -105,7 +105,8 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["q_len", "kv_len"])
+@triton.jit(do_not_specialize=["q_len", "kv_len",
+                             "stride_num_h", "stride_num_n", "stride_idx_h", "stride_idx_n"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LENGTHS,
     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
@@ -189,7 +190,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
     return dq
 
 
-@triton.jit(do_not_specialize=["q_len", "kv_len"])
+@triton.jit(do_not_specialize=ROW_LENGTH_ARGS)
 def _attn_bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ, KEY_LENGTHS,
     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,

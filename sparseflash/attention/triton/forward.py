@@ -27,6 +27,10 @@ from sparseflash.masks import BlockMask, MaskKind
 
 LOG2E = 1.4426950408889634
 KIND_CODES = {MaskKind.DENSE: 0, MaskKind.CAUSAL: 1, MaskKind.SPARSE: 2}
+# Arguments that change with the sequence length and are not specialised on, so that a new length
+# reuses the compiled kernel: the lengths and the strides of the block tables (block counts). The
+# tensor strides stay specialised: their divisibility decides the width of vector loads.
+ROW_LENGTH_ARGS = ["q_len", "kv_len", "stride_num_h", "stride_num_m", "stride_idx_h", "stride_idx_m"]
 
 
 @triton.jit
@@ -137,7 +141,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["q_len", "kv_len"])
+@triton.jit(do_not_specialize=ROW_LENGTH_ARGS)
 def _attn_fwd(
     Q, K, V, O, LSE, KEY_LENGTHS,
     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
