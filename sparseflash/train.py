@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sparseflash.data import TaskData, build_task, collate
 from sparseflash.logging import RunLogger
+from sparseflash.masks import import_patterns
 from sparseflash.models import build_model
 
 
@@ -275,6 +276,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
 
 def _run(cfg: DictConfig, tr: DictConfig, ctx: Dist, run_dir) -> dict:
     t_start = time.time()
+    import_patterns(cfg.get("import_patterns") or [])
     run_dir = Path(ctx.broadcast(str(_run_dir(cfg, run_dir))))
     device = ctx.device
     if tr.get("num_threads"):

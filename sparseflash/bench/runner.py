@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sparseflash import masks
 from sparseflash.bench import plots as plots_mod
 from sparseflash.bench import report
 from sparseflash.bench.spec import BenchConfig
@@ -100,6 +101,7 @@ def log_wandb(rows: list[dict], pngs: list[Path], out_dir: Path, wandb_cfg: dict
 
 def run(cfg: Any) -> list[dict]:
     """Run the sweep ``cfg`` describes (see ``configs/bench.yaml``); returns the rows."""
+    masks.import_patterns(cfg.get("import_patterns") or [])
     spec = BenchConfig.from_cfg(cfg)
     out_dir = _output_dir(spec)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -159,7 +159,7 @@ class BenchConfig:
 
         cfg = dict(_plain(cfg) or {})
         known = {f.name for f in dataclasses.fields(cls)} | {"head_dim", "dtype", "pattern_params", "logger"}
-        ignored = {"hydra", "bench", "name"}
+        ignored = {"hydra", "bench", "name", "import_patterns"}  # import_patterns: used by run()
         unknown = set(cfg) - known - ignored
         if unknown:
             raise ValueError(f"unknown bench config keys: {sorted(unknown)}")

@@ -9,9 +9,14 @@ also what the Hydra configs call, so a registered pattern is at once usable from
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
+import os
+import sys
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
@@ -51,6 +56,29 @@ def register(name: str, *, causal: bool = False) -> Callable[[PatternFn], Patter
         return fn
 
     return decorate
+
+
+def import_patterns(sources: Iterable[str]) -> None:
+    """Import the modules that register a user's patterns, so that configs can name them.
+
+    Each source is a ``.py`` file path or a dotted module name (found from the working
+    directory too), e.g. ``import_patterns=[my_patterns.py]`` on the experiments' command line."""
+    for source in sources:
+        if source.endswith(".py") or os.sep in source:
+            path = Path(source).resolve()
+            if not path.is_file():
+                raise ValueError(f"import_patterns: no file {path} (from {source!r})")
+            name = f"sparseflash_user_patterns.{path.stem}"
+            if name in sys.modules:  # already imported: registering again would clash
+                continue
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            importlib.import_module(source)
 
 
 def registered() -> list[str]:
