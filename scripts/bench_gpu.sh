@@ -15,8 +15,9 @@ mkdir -p "$OUT"
 rm -rf "$RUN"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$OUT/bench.log"
-# The grid takes ~3-5 minutes (first calls compile Triton and FlexAttention); the guard stops it at 8.
-timeout 480 python3 experiments/bench.py bench=h100 hydra.run.dir="$RUN" hydra.output_subdir=null "$@" 2>&1 \
+# The grid takes ~3-5 minutes (first calls compile Triton and FlexAttention); the guard (BENCH_TIMEOUT,
+# seconds) stops it at 8 minutes by default.
+timeout "${BENCH_TIMEOUT:-480}" python3 experiments/bench.py bench=h100 hydra.run.dir="$RUN" hydra.output_subdir=null "$@" 2>&1 \
     | tee -a "$OUT/bench.log"
 status=${PIPESTATUS[0]}
 # results.jsonl is streamed row by row, so even a stopped run leaves its rows behind.
