@@ -1,19 +1,25 @@
 """One GPU call's worth of kernel work: ceilings, then triton vs peers on the issue's grid.
 
     PYTHONPATH=. python scripts/kernel_probe.py [--dims 128 64] [--modes fwd fwdbwd]
+    PYTHONPATH=. python scripts/kernel_probe.py --sweep --dims 128 --seqs 1024 --patterns dense random
 
 Prints one row per (head_dim, S, pattern, mode): median ms (triton.testing.do_bench) of
 sparseflash-triton, FlexAttention and SDPA, triton's TFLOP/s (density-weighted) and the ratios.
-A quick loop for kernel tuning; the benchmark harness (experiments/bench.py) is the record.
+``--sweep`` instead times every kernel (forward, dkdv, dq) of one fwd+bwd call over a wide grid of
+tile configs, next to the one the tuner chose, and prints a CUDA-kernel profile of the call for
+sparseflash-triton and FlexAttention. A quick loop for kernel tuning; the benchmark harness
+(experiments/bench.py) is the record.
 """
 
 import argparse
+import itertools
 
 import torch
 from triton.testing import do_bench
 
 import sparseflash
 from sparseflash.attention.baselines import Unsupported, flex_attention, sdpa_attention, to_flex_block_mask
+from sparseflash.attention.triton import configs
 from sparseflash.masks import make
 
 PATTERNS = {"dense": {}, "causal": {}, "butterfly": {}, "local": {"window": 2}, "random": {"density": 0.25}}
@@ -42,6 +48,74 @@ def time_mode(fn, q, k, v, mode):
     return do_bench(step, return_mode="median", warmup=50, rep=200, grad_to_none=leaves)
 
 
+SWEEP_GRID = {  # (block_m, block_n, warps, stages) ranges per kernel
+    "forward": ((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)),
+    "dkdv": ((32, 64, 128), (64, 128), (4, 8), (2, 3)),
+    "dq": ((64, 128), (32, 64, 128), (4, 8), (2, 3)),
+}
+
+
+def profile_kernels(step, label: str) -> None:
+    """CUDA time per kernel of one call of ``step``, averaged over 5 calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    total = 0.0
+    for event in prof.key_averages():
+        us = event.device_time_total / 5
+        if us > 0.5:
+            total += us
+            print(f"  {label:7} {us:9.1f} us  x{event.count // 5}  {event.key[:90]}")
+    print(f"  {label:7} {total:9.1f} us  total")
+
+
+def sweep(q, k, v, mask, flex_mask) -> None:
+    """Time every SWEEP_GRID config of each kernel that one fwd+bwd call launches."""
+    captured = {}
+    tuned = configs.run_tuned
+
+    def capture(kernel, key, launch):
+        captured[kernel] = (key, launch)
+        return tuned(kernel, key, launch)
+
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    do = torch.randn_like(q)
+    configs.run_tuned = capture
+    try:
+        sparseflash.attention(*leaves, mask, backend="triton").backward(do)
+    finally:
+        configs.run_tuned = tuned
+    for kernel, (key, launch) in captured.items():
+        chosen = configs._chosen[kernel, key]
+        timings = {}
+        for bm, bn, warps, stages in itertools.product(*SWEEP_GRID[kernel]):
+            cfg = configs.KernelConfig(min(bm, mask.block_size[0]), min(bn, mask.block_size[1]), warps, stages)
+            if cfg in timings:
+                continue
+            try:
+                timings[cfg] = do_bench(lambda: launch(cfg), warmup=5, rep=30, return_mode="median")
+            except Exception as err:  # out of shared memory or registers
+                timings[cfg] = float("nan")
+                print(f"  {kernel} {cfg}: {type(err).__name__}")
+        ranked = sorted((t, c) for c, t in timings.items() if t == t)
+        print(f"  {kernel}: tuned {chosen} {timings.get(chosen, float('nan')):.4f} ms; best "
+              + ", ".join(f"({c.block_m},{c.block_n},{c.num_warps},{c.num_stages}) {t:.4f}" for t, c in ranked[:6]))
+
+    def triton_step():
+        sparseflash.attention(*leaves, mask, backend="triton").backward(do)
+
+    def flex_step():
+        flex_attention(*leaves, mask, block_mask=flex_mask).backward(do)
+
+    profile_kernels(triton_step, "triton")
+    profile_kernels(flex_step, "flex")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dims", type=int, nargs="+", default=[128])
@@ -49,9 +123,11 @@ def main():
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"])
     parser.add_argument("--patterns", nargs="+", default=list(PATTERNS))
     parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time tile configs per kernel, profile one call")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
-    ceilings()
+    if not args.sweep:
+        ceilings()
     print("| D | S | pattern | mode | density | triton ms | TFLOP/s | flex ms | sdpa ms | flex/triton | sdpa/triton |")
     for dim in args.dims:
         heads = 2048 // dim
@@ -61,6 +137,10 @@ def main():
             for name in args.patterns:
                 mask = make(name, seq, block=128, **PATTERNS[name])
                 flex_mask = to_flex_block_mask(mask, "cuda")
+                if args.sweep:
+                    print(f"sweep D={dim} S={seq} {name} density={mask.density:.3f}", flush=True)
+                    sweep(q, k, v, mask, flex_mask)
+                    continue
                 peers = {
                     "triton": lambda q, k, v: sparseflash.attention(q, k, v, mask, backend="triton"),
                     "flex": None if args.no_flex else lambda q, k, v: flex_attention(q, k, v, mask, block_mask=flex_mask),
@@ -83,5 +163,5 @@ if __name__ == "__main__":
     main()
     from sparseflash.attention.triton import configs
 
-    for name, cfg in configs._chosen.items():
-        print("tuned:", name, cfg)
+    for (kernel, key), cfg in configs._chosen.items():
+        print(f"tuned: {kernel}|{key}", cfg)

@@ -80,25 +80,26 @@ def _configs(*rows: tuple[int, int, int, int]) -> list[KernelConfig]:
 CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
     "forward": {
         64: _configs((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3)),
-        128: _configs((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
-                      (64, 128, 4, 2)),
+        128: _configs((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 2), (64, 64, 4, 3),
+                      (64, 64, 4, 2), (64, 128, 4, 2)),
         256: _configs((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
     },
     "dq": {
         64: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)),
-        128: _configs((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2)),
+        128: _configs((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2),
+                      (64, 128, 4, 2)),
         256: _configs((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)),
     },
     "dkdv": {
         64: _configs((64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)),
-        128: _configs((64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2),
-                      (32, 64, 4, 3)),
+        128: _configs((64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 2),
+                      (128, 128, 8, 2), (32, 64, 4, 3)),
         256: _configs((64, 64, 4, 2), (32, 64, 4, 2), (32, 128, 8, 2)),
     },
 }
 INTERPRETER_TILE = 32
 
-_chosen: dict[str, KernelConfig] = {}
+_chosen: dict[tuple[str, ConfigKey], KernelConfig] = {}
 
 
 def candidates(kernel: str, key: ConfigKey) -> list[KernelConfig]:
@@ -157,9 +158,9 @@ def _tune(launch: Callable[[KernelConfig], None], options: list[KernelConfig]) -
 
 def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], None]) -> KernelConfig:
     """Launch ``kernel`` with the tuned config for ``key`` (tuning it on first use)."""
-    name = f"{kernel}|{key}"
-    cfg = _chosen.get(name)
+    cfg = _chosen.get((kernel, key))  # a tuple key: no string is built on the hot path
     if cfg is None:
+        name = f"{kernel}|{key}"
         options = candidates(kernel, key)
         stored = _load_disk_cache().get(name)
         if stored is not None and KernelConfig(**stored) in options:
@@ -169,6 +170,6 @@ def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], None
         else:
             cfg = _tune(launch, options)
             _save_choice(name, cfg)
-        _chosen[name] = cfg
+        _chosen[kernel, key] = cfg
     launch(cfg)
     return cfg
