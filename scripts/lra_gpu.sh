@@ -57,7 +57,7 @@ for p in patterns:
     tail = st[len(st) // 5:] or st  # skip compilation / warm-up
     print(f"{p}: steps {res['steps']} test_acc {res['test_acc']:.4f} best_val_acc {res['best_val_acc']:.4f} "
           f"(step {res['best_step']}) mask_density {res['mask_density']:.3f} "
-          f"median step {sorted(tail)[len(tail) // 2] * 1e3:.1f} ms (concurrent runs) "
+          f"median step {sorted(tail)[len(tail) // 2] * 1e3:.1f} ms ({len(patterns)} run(s) sharing the GPU) "
           f"total {res['total_time']:.0f}s time_limited {res['time_limited']}")
 PY
 echo "total $(( $(date +%s) - t0 ))s" >> "$OUT/summary.txt"
