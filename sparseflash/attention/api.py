@@ -139,7 +139,16 @@ def attention(
     Returns:
         ``o (B, H, S_q, D)`` in the dtype of ``q``, and with ``return_lse`` also
         ``lse (B, H, S_q)`` fp32. A query that keeps no score gets ``o = 0``, ``lse = -inf``.
+
+    Under ``torch.autocast``, as with SDPA, q, k and v are cast to the autocast dtype and each
+    backend then keeps its own precision (the reference and blocked backends compute in fp32).
     """
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            return attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, key_lengths=key_lengths, scale=scale,
+                             backend=backend, return_lse=return_lse)
     scale = _check_inputs(q, k, v, key_lengths, scale)
     mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1])
     o, lse = BACKENDS[resolve_backend(backend, q.device)](q, k, v, mask, key_lengths, scale)

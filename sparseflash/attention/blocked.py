@@ -155,7 +155,8 @@ class BlockedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = blocked_backward(q, k, v, o, lse, do, dlse, ctx.mask, ctx.key_lengths, ctx.scale)
+        with torch.autocast(q.device.type, enabled=False):  # a backward run under autocast stays fp32
+            dq, dk, dv = blocked_backward(q, k, v, o, lse, do, dlse, ctx.mask, ctx.key_lengths, ctx.scale)
         return dq, dk, dv, None, None, None
 
 

@@ -152,6 +152,20 @@ def test_bf16_close_to_fp32_truth():
     assert_close(o, o32, 2e-2, "o (bf16 vs fp32)")
 
 
+@pytest.mark.parametrize("kind", ["none", "butterfly"])
+def test_under_autocast_like_sdpa(kind):
+    """Under bf16 autocast, fp32 q, k, v (as from autocast-free code) are cast to bf16 and the
+    blocked loop still runs in fp32: the same o and gradients as bf16 inputs without autocast."""
+    q, k, v, do = _inputs(2, 2, 2, 111, 111, 32, torch.float32)
+    mask = _mask(kind, 111, 111, heads=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, _, dq, dk, dv = attention_with_grads("blocked", q, k, v, mask, do.bfloat16())
+    want = attention_with_grads("reference", q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, do.bfloat16())
+    assert o.dtype == torch.bfloat16
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), (want[0], *want[2:])):
+        assert_close(a.float(), b.float(), TOL[torch.bfloat16], name)
+
+
 # ---------------------------------------------------------------------------- GQA
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=lambda h: f"H4-Hkv{h}")
 @pytest.mark.parametrize("kind", ["causal", "butterfly", "per-head"])
