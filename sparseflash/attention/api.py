@@ -70,6 +70,13 @@ def resolve_mask(mask: MaskSpec, q_len: int, kv_len: int, heads: int) -> BlockMa
     return mask
 
 
+def _autocast_dtype(q) -> torch.dtype | None:
+    """The autocast dtype if autocast is on for q's device, else None."""
+    if not isinstance(q, torch.Tensor) or not torch.amp.is_autocast_available(q.device.type):
+        return None
+    return torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else None
+
+
 def _check_inputs(q, k, v, key_lengths, scale) -> float:
     """Raise ValueError on malformed inputs; return the softmax scale."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -143,12 +150,12 @@ def attention(
     Under ``torch.autocast``, as with SDPA, q, k and v are cast to the autocast dtype and each
     backend then keeps its own precision (the reference and blocked backends compute in fp32).
     """
-    device_type = q.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        with torch.autocast(device_type, enabled=False):
-            return attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, key_lengths=key_lengths, scale=scale,
-                             backend=backend, return_lse=return_lse)
+    dtype = _autocast_dtype(q)
+    if dtype is not None:
+        q, k, v = (x.to(dtype) if isinstance(x, torch.Tensor) else x for x in (q, k, v))
+        with torch.autocast(q.device.type, enabled=False):
+            return attention(q, k, v, mask, key_lengths=key_lengths, scale=scale, backend=backend,
+                             return_lse=return_lse)
     scale = _check_inputs(q, k, v, key_lengths, scale)
     mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1])
     o, lse = BACKENDS[resolve_backend(backend, q.device)](q, k, v, mask, key_lengths, scale)

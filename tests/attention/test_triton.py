@@ -29,6 +29,10 @@ def _mask(kind: str, q_len: int, kv_len: int, heads: int):
         return make("random", q_len, kv_len, block=16, heads=heads, density=0.3)
     if kind == "bigbird":
         return make("bigbird", q_len, kv_len, block=32, heads=heads, window=1, global_blocks=1)
+    if kind == "random-256x16":  # the largest query blocks, the smallest key blocks
+        return make("random", q_len, kv_len, block=(256, 16), heads=heads, density=0.5)
+    if kind == "local-16x128":
+        return make("local", q_len, kv_len, block=(16, 128), window=1)
     if kind == "empty-rows":  # the first query block sees nothing
         layout = torch.ones(heads, -(-q_len // 32), -(-kv_len // 32), dtype=torch.bool)
         layout[:, 0] = False
@@ -83,6 +87,8 @@ CPU_CASES = [
     ("causal", 45, 45, 1, torch.float16, False, True),
     ("random-per-head", 70, 70, 256, torch.bfloat16, True, False),
     ("butterfly", 100, 100, 24, torch.float32, True, True),
+    ("random-256x16", 300, 200, 16, torch.float16, True, True),
+    ("local-16x128", 150, 290, 16, torch.bfloat16, False, False),
 ]
 
 
