@@ -1,0 +1,91 @@
+"""The tuned-config table of the Triton kernels: tune once per key, cache on disk, bucket by work.
+
+The interpreter never tunes, so these tests switch it off in ``configs`` and replace the timing
+(``_tune``) with a recorder that picks the *last* candidate, which makes a tuned choice visible.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sparseflash.attention.triton import configs
+from sparseflash.masks import make
+
+
+@pytest.fixture
+def tunings(monkeypatch, tmp_path):
+    """The candidate lists timed so far; a fresh in-memory table and disk cache."""
+    monkeypatch.setenv("SPARSEFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SPARSEFLASH_TUNE", raising=False)
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(configs, "_chosen", {})
+    timed = []
+
+    def record(launch, options):
+        timed.append(list(options))
+        return options[-1]
+
+    monkeypatch.setattr(configs, "_tune", record)
+    return timed
+
+
+def _key(seq_len: int, pattern: str = "butterfly", head_dim: int = 64) -> configs.ConfigKey:
+    q = torch.empty(1, 4, seq_len, head_dim)
+    return configs.ConfigKey.of(q, make(pattern, seq_len, block=128), head_dim)
+
+
+def test_tunes_once_per_key_and_launches_the_choice(tunings):
+    key, launched = _key(1024), []
+    first = configs.run_tuned("forward", key, launched.append)
+    second = configs.run_tuned("forward", key, launched.append)
+    assert first == second == configs.candidates("forward", key)[-1]
+    assert launched == [first, first] and len(tunings) == 1
+
+
+def test_choice_survives_the_process_on_disk(tunings, tmp_path, monkeypatch):
+    key = _key(1024)
+    chosen = configs.run_tuned("dkdv", key, lambda cfg: None)
+    stored = json.loads((tmp_path / "tuning.json").read_text())
+    assert [name.split("|")[0] for name in stored] == ["dkdv"]
+    monkeypatch.setattr(configs, "_chosen", {})  # a new process: only the disk cache is left
+    assert configs.run_tuned("dkdv", key, lambda cfg: None) == chosen
+    assert len(tunings) == 1
+
+
+def test_a_stale_disk_entry_is_tuned_again(tunings, tmp_path):
+    key = _key(1024)
+    name = f"dq|{key}"
+    (tmp_path / "tuning.json").write_text(json.dumps({name: dict(block_m=8, block_n=8, num_warps=1, num_stages=9)}))
+    assert configs.run_tuned("dq", key, lambda cfg: None) == configs.candidates("dq", key)[-1]
+    assert len(tunings) == 1
+
+
+def test_same_bucket_reuses_a_new_length_retunes_a_new_bucket(tunings):
+    assert _key(4096) == _key(4200)  # same trip-count and grid buckets: no new tuning
+    configs.run_tuned("forward", _key(4096), lambda cfg: None)
+    configs.run_tuned("forward", _key(4200), lambda cfg: None)
+    assert len(tunings) == 1
+    assert _key(16384).row_work != _key(1024).row_work
+    configs.run_tuned("forward", _key(16384), lambda cfg: None)
+    assert len(tunings) == 2
+
+
+def test_tuning_off_takes_the_first_candidate(tunings, monkeypatch):
+    monkeypatch.setenv("SPARSEFLASH_TUNE", "0")
+    key = _key(1024, "causal")
+    assert configs.run_tuned("forward", key, lambda cfg: None) == configs.candidates("forward", key)[0]
+    assert tunings == []
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
+def test_candidates_divide_the_mask_blocks(head_dim, monkeypatch):
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    q = torch.empty(1, 2, 300, head_dim)
+    key = configs.ConfigKey.of(q, make("random", 300, block=(32, 64), density=0.5), head_dim)
+    for kernel in configs.CANDIDATES:
+        options = configs.candidates(kernel, key)
+        assert options and len(set(options)) == len(options)
+        assert all(32 % c.block_m == 0 and 64 % c.block_n == 0 for c in options), options
