@@ -161,7 +161,5 @@ def main():
 
 if __name__ == "__main__":
     main()
-    from sparseflash.attention.triton import configs
-
     for (kernel, key), cfg in configs._chosen.items():
         print(f"tuned: {kernel}|{key}", cfg)
