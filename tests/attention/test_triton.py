@@ -158,6 +158,21 @@ def test_gpu_matches_reference(pattern, seq_len, dim, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pattern", list(GPU_PATTERNS))
+def test_gpu_long_sequences(pattern):
+    """S = 16384 (the benchmark's longest) against the reference: one batch row, two query heads
+    on one key/value head, the last 999 keys masked by key_lengths (S x S fp32 scores: ~2 GB each)."""
+    seq_len = 16384
+    q, k, v, do = _inputs(1, 2, 1, seq_len, seq_len, 128, torch.bfloat16, "cuda")
+    mask = make(pattern, seq_len, block=128, **GPU_PATTERNS[pattern])
+    lengths = torch.tensor([seq_len - 999], device="cuda")
+    got = attention_with_grads("triton", q, k, v, mask, do, lengths)
+    want = attention_with_grads("reference", q, k, v, mask, do, lengths)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, TOL[torch.bfloat16], name)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dim", [1, 40, 96, 256], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("pattern", ["causal", "butterfly"])
 def test_gpu_padded_head_dims(pattern, dim):
