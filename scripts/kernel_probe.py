@@ -5,7 +5,7 @@
 
 Prints one row per (head_dim, S, pattern, mode): median ms (triton.testing.do_bench) of
 sparseflash-triton, FlexAttention and SDPA, triton's TFLOP/s (density-weighted) and the ratios.
-``--sweep`` instead times every kernel (forward, dkdv, dq) of one fwd+bwd call over a wide grid of
+``--sweep`` instead times every kernel (forward, backward) of one fwd+bwd call over a wide grid of
 tile configs, next to the one the tuner chose, and prints a CUDA-kernel profile of the call for
 sparseflash-triton and FlexAttention. A quick loop for kernel tuning; the benchmark harness
 (experiments/bench.py) is the record.
@@ -50,8 +50,7 @@ def time_mode(fn, q, k, v, mode):
 
 SWEEP_GRID = {  # (block_m, block_n, warps, stages) ranges per kernel
     "forward": ((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)),
-    "dkdv": ((32, 64, 128), (64, 128), (4, 8), (2, 3)),
-    "dq": ((64, 128), (32, 64, 128), (4, 8), (2, 3)),
+    "backward": ((64, 128), (32, 64, 128), (4, 8), (2, 3)),
 }
 
 
@@ -94,7 +93,7 @@ def sweep(q, k, v, mask, flex_mask) -> None:
         chosen = configs._chosen[kernel, key]
         timings = {}
         for bm, bn, warps, stages in itertools.product(*SWEEP_GRID[kernel]):
-            cfg = configs.KernelConfig(min(bm, mask.block_size[0]), min(bn, mask.block_size[1]), warps, stages)
+            cfg = configs.fit(kernel, configs.KernelConfig(bm, bn, warps, stages), key)
             if cfg in timings:
                 continue
             try:

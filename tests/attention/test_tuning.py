@@ -47,19 +47,19 @@ def test_tunes_once_per_key_and_launches_the_choice(tunings):
 
 def test_choice_survives_the_process_on_disk(tunings, tmp_path, monkeypatch):
     key = _key(1024)
-    chosen = configs.run_tuned("dkdv", key, lambda cfg: None)
+    chosen = configs.run_tuned("backward", key, lambda cfg: None)
     stored = json.loads((tmp_path / "tuning.json").read_text())
-    assert [name.split("|")[0] for name in stored] == ["dkdv"]
+    assert [name.split("|")[0] for name in stored] == ["backward"]
     monkeypatch.setattr(configs, "_chosen", {})  # a new process: only the disk cache is left
-    assert configs.run_tuned("dkdv", key, lambda cfg: None) == chosen
+    assert configs.run_tuned("backward", key, lambda cfg: None) == chosen
     assert len(tunings) == 1
 
 
 def test_a_stale_disk_entry_is_tuned_again(tunings, tmp_path):
     key = _key(1024)
-    name = f"dq|{key}"
+    name = f"backward|{key}"
     (tmp_path / "tuning.json").write_text(json.dumps({name: dict(block_m=8, block_n=8, num_warps=1, num_stages=9)}))
-    assert configs.run_tuned("dq", key, lambda cfg: None) == configs.candidates("dq", key)[-1]
+    assert configs.run_tuned("backward", key, lambda cfg: None) == configs.candidates("backward", key)[-1]
     assert len(tunings) == 1
 
 
@@ -85,7 +85,9 @@ def test_candidates_divide_the_mask_blocks(head_dim, monkeypatch):
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     q = torch.empty(1, 2, 300, head_dim)
     key = configs.ConfigKey.of(q, make("random", 300, block=(32, 64), density=0.5), head_dim)
-    for kernel in configs.CANDIDATES:
-        options = configs.candidates(kernel, key)
+    forward, backward = configs.candidates("forward", key), configs.candidates("backward", key)
+    for options in forward, backward:
         assert options and len(set(options)) == len(options)
-        assert all(32 % c.block_m == 0 and 64 % c.block_n == 0 for c in options), options
+    assert all(32 % c.block_m == 0 and 64 % c.block_n == 0 for c in forward), forward
+    # the backward holds and streams tiles of both queries and keys: each divides both sides
+    assert all(32 % c.block_m == 0 and 32 % c.block_n == 0 for c in backward), backward

@@ -1,16 +1,22 @@
-"""FlashAttention-2 backward: preprocess, dK/dV and dQ kernels, deterministic (no atomics).
+"""FlashAttention-2 backward: a preprocess kernel, then one kernel for dK/dV and dQ (no atomics).
 
-Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N,
-SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS), and
+Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, SPARSE_BLOCK_M,
+SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS), and
+  BLOCK_M   the tile a program holds: BLOCK_M queries of a dQ program, BLOCK_M keys of a dK/dV one;
+  BLOCK_N   the tile it streams: keys for dQ, queries for dK/dV (both divide both mask-block sides);
   HAS_DLSE  the loss also depends on lse: d lse / d s = p, so delta becomes rowsum(o * do) - dlse.
 
 The scores are recomputed from q, k and lse (p = exp2(s * scale * log2 e - lse * log2 e)), never
 stored. Rows that saw no key have lse = -inf; they are read as +inf so that their p is 0.
 - preprocess: delta = rowsum(o * do) (- dlse), one program per query tile.
-- dK/dV: one program per key tile of one key/value head; it walks the column tables (or the
-  DENSE / CAUSAL ranges) of every query head of its GQA group, so nothing is accumulated across
-  programs. Keys past key_lengths[b] get zero gradients at the store.
-- dQ: one program per query tile, walking the same row ranges as the forward.
+- _attn_bwd: one launch, two kinds of program in each row of the grid (one row per batch and
+  key/value head), so the dQ programs of a head run next to its dK/dV programs and share K, V, Q
+  and dO in L2:
+  - dK/dV: one program per key tile; it walks the column tables (or the DENSE / CAUSAL ranges) of
+    every query head of its GQA group, so nothing is accumulated across programs. Keys past
+    key_lengths[b] get zero gradients at the store.
+  - dQ: one program per query tile of each query head of the group, walking the same row ranges
+    as the forward.
 """
 
 from __future__ import annotations
@@ -20,8 +26,7 @@ import triton
 import triton.language as tl
 
 from sparseflash.attention.triton import configs
-from sparseflash.attention.triton.forward import (ROW_LENGTH_ARGS, KernelInputs, key_tile_scores, mma, row_tile_ranges,
-                                                  strides, tile_start)
+from sparseflash.attention.triton.forward import KernelInputs, key_tile_scores, mma, row_tile_ranges, strides, tile_start
 
 
 @triton.jit(do_not_specialize=["q_len"])
@@ -105,31 +110,25 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["q_len", "kv_len",
-                             "stride_num_h", "stride_num_n", "stride_idx_h", "stride_idx_n"])
-def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LENGTHS,
-    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+@triton.jit
+def _dkdv_program(
+    Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LENGTHS, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_num_h, stride_num_n, stride_idx_h, stride_idx_n,
-    heads, groups, q_len, kv_len, head_dim, qk_scale, scale,
+    key_tile, b, hk, heads, groups, q_len, kv_len, head_dim, qk_scale, scale,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDEN_DOTS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
 ):
+    """dK, dV of key tile ``key_tile`` (BLOCK_N keys) of key/value head hk, batch b."""
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
     tl.static_assert(SPARSE_BLOCK_N % BLOCK_N == 0, "BLOCK_N must divide SPARSE_BLOCK_N")
-    start_n = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
-    kv_heads = heads // groups
-    b = bhk // kv_heads
-    hk = bhk % kv_heads
+    start_n = key_tile * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kv_in = (offs_n[:, None] < kv_len) & (offs_d[None, :] < head_dim)
@@ -190,29 +189,26 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
     return dq
 
 
-@triton.jit(do_not_specialize=ROW_LENGTH_ARGS)
-def _attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, KEY_LENGTHS,
-    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+@triton.jit
+def _dq_program(
+    Q, K, V, DO, LSE, DELTA, DQ, KEY_LENGTHS, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
-    heads, groups, q_len, kv_len, head_dim, qk_scale, scale,
+    query_tile, b, h, heads, groups, q_len, kv_len, head_dim, qk_scale, scale,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDEN_DOTS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
 ):
+    """dQ of query tile ``query_tile`` (BLOCK_M queries) of query head h, batch b."""
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
     tl.static_assert(SPARSE_BLOCK_N % BLOCK_N == 0, "BLOCK_N must divide SPARSE_BLOCK_N")
-    q_start = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
+    q_start = query_tile * BLOCK_M
+    bh = b * heads + h
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -246,7 +242,63 @@ def _attn_bwd_dq(
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=rows_in)
 
 
-# ---------------------------------------------------------------------------------- launchers
+@triton.jit(do_not_specialize=["q_len", "kv_len", "stride_col_num_h", "stride_col_num_n", "stride_col_idx_h",
+                               "stride_col_idx_n", "stride_row_num_h", "stride_row_num_m", "stride_row_idx_h",
+                               "stride_row_idx_m"])
+def _attn_bwd(
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KEY_LENGTHS,
+    COL_FULL_NUM, COL_FULL_IDX, COL_PART_NUM, COL_PART_IDX,
+    ROW_FULL_NUM, ROW_FULL_IDX, ROW_PART_NUM, ROW_PART_IDX,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_col_num_h, stride_col_num_n, stride_col_idx_h, stride_col_idx_n,
+    stride_row_num_h, stride_row_num_m, stride_row_idx_h, stride_row_idx_m,
+    heads, groups, q_len, kv_len, head_dim, qk_scale, scale,
+    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr,
+):
+    """Grid (key tiles + groups x query tiles, batch x kv_heads): the first programs of a row are
+    dK/dV programs (BLOCK_M keys held, BLOCK_N queries streamed), the rest dQ programs of the
+    group's query heads (BLOCK_M queries held, BLOCK_N keys streamed)."""
+    tile = tl.program_id(0)
+    bhk = tl.program_id(1)
+    kv_heads = heads // groups
+    b = bhk // kv_heads
+    hk = bhk % kv_heads
+    n_key_tiles = tl.cdiv(kv_len, BLOCK_M)
+    if tile < n_key_tiles:
+        _dkdv_program(
+            Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LENGTHS, COL_FULL_NUM, COL_FULL_IDX, COL_PART_NUM, COL_PART_IDX,
+            stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
+            stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+            stride_col_num_h, stride_col_num_n, stride_col_idx_h, stride_col_idx_n,
+            tile, b, hk, heads, groups, q_len, kv_len, head_dim, qk_scale, scale,
+            MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_N, BLOCK_M, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
+            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+    else:
+        tile -= n_key_tiles
+        n_q_tiles = tl.cdiv(q_len, BLOCK_M)
+        _dq_program(
+            Q, K, V, DO, LSE, DELTA, DQ, KEY_LENGTHS, ROW_FULL_NUM, ROW_FULL_IDX, ROW_PART_NUM, ROW_PART_IDX,
+            stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
+            stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+            stride_row_num_h, stride_row_num_m, stride_row_idx_h, stride_row_idx_m,
+            tile % n_q_tiles, b, hk * groups + tile // n_q_tiles, heads, groups, q_len, kv_len, head_dim,
+            qk_scale, scale,
+            MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
+            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+
+
+# ---------------------------------------------------------------------------------- launcher
 PREPROCESS_BLOCK_M = 64
 
 
@@ -263,28 +315,17 @@ def attention_backward(q, k, v, o, lse, do, dlse, inputs: KernelInputs):
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    shared = (inputs.heads, inputs.groups, q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale, inputs.scale)
+    cols, rows = inputs.tables_of("q"), inputs.tables_of("kv")
 
-    def launch_dkdv(cfg: configs.KernelConfig) -> None:
-        grid = (triton.cdiv(inputs.kv_len, cfg.block_n), batch * inputs.kv_heads)
-        cols = inputs.tables_of("q")
-        _attn_bwd_dkdv[grid](
-            q, k, v, do, lse, delta, dk, dv, inputs.key_lengths, *cols[:4],
-            *strides(q), *strides(k), *strides(v), *strides(do), *strides(dk), *cols[4:], *shared,
+    def launch(cfg: configs.KernelConfig) -> None:
+        programs = triton.cdiv(inputs.kv_len, cfg.block_m) + inputs.groups * triton.cdiv(q_len, cfg.block_m)
+        _attn_bwd[(programs, batch * inputs.kv_heads)](
+            q, k, v, do, lse, delta, dq, dk, dv, inputs.key_lengths, *cols[:4], *rows[:4],
+            *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), *strides(dk), *cols[4:], *rows[4:],
+            inputs.heads, inputs.groups, q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale, inputs.scale,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **inputs.flags(),
         )
 
-    def launch_dq(cfg: configs.KernelConfig) -> None:
-        grid = (triton.cdiv(q_len, cfg.block_m), batch * heads)
-        rows = inputs.tables_of("kv")
-        _attn_bwd_dq[grid](
-            q, k, v, do, lse, delta, dq, inputs.key_lengths, *rows[:4],
-            *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), *rows[4:], *shared,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **inputs.flags(),
-        )
-
-    configs.run_tuned("dkdv", inputs.config_key, launch_dkdv)
-    configs.run_tuned("dq", inputs.config_key, launch_dq)
+    configs.run_tuned("backward", inputs.config_key, launch)
     return dq, dk, dv

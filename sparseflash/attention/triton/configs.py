@@ -75,8 +75,9 @@ def _configs(*rows: tuple[int, int, int, int]) -> list[KernelConfig]:
     return [KernelConfig(*row) for row in rows]
 
 
-# Candidates per kernel and padded head dim, best guess first. forward/dq: (BLOCK_M queries
-# held, BLOCK_N keys streamed); dkdv: (BLOCK_M queries streamed, BLOCK_N keys held).
+# Candidates per kernel and padded head dim, best guess first. forward: (BLOCK_M queries held,
+# BLOCK_N keys streamed); backward: (BLOCK_M held, BLOCK_N streamed) for both of its programs,
+# queries held and keys streamed for dQ, keys held and queries streamed for dK/dV.
 CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
     "forward": {
         64: _configs((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3)),
@@ -84,17 +85,11 @@ CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
                       (64, 64, 4, 2), (64, 128, 4, 2)),
         256: _configs((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
     },
-    "dq": {
-        64: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)),
-        128: _configs((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2),
-                      (64, 128, 4, 2)),
+    "backward": {
+        64: _configs((128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 3)),
+        128: _configs((128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3),
+                      (128, 32, 8, 2), (128, 128, 8, 2)),
         256: _configs((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)),
-    },
-    "dkdv": {
-        64: _configs((64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)),
-        128: _configs((64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 2),
-                      (128, 128, 8, 2), (32, 64, 4, 3)),
-        256: _configs((64, 64, 4, 2), (32, 64, 4, 2), (32, 128, 8, 2)),
     },
 }
 INTERPRETER_TILE = 32
@@ -102,19 +97,21 @@ INTERPRETER_TILE = 32
 _chosen: dict[tuple[str, ConfigKey], KernelConfig] = {}
 
 
+def fit(kernel: str, cfg: KernelConfig, key: ConfigKey) -> KernelConfig:
+    """``cfg`` with its tiles cut down to divide the mask blocks (all sizes are powers of two)."""
+    limit_m, limit_n = key.sparse_block
+    if kernel == "backward":  # its tiles serve both ways round, so each must divide both sides
+        limit_m = limit_n = min(limit_m, limit_n)
+    return KernelConfig(min(cfg.block_m, limit_m), min(cfg.block_n, limit_n), cfg.num_warps, cfg.num_stages)
+
+
 def candidates(kernel: str, key: ConfigKey) -> list[KernelConfig]:
-    """The configs to try, tiles clamped to divide the mask blocks, duplicates removed."""
-    sparse_m, sparse_n = key.sparse_block
+    """The configs to try, fitted to the mask blocks, duplicates removed."""
     if interpreting():
-        return [KernelConfig(min(INTERPRETER_TILE, sparse_m), min(INTERPRETER_TILE, sparse_n), 4, 1)]
+        return [fit(kernel, KernelConfig(INTERPRETER_TILE, INTERPRETER_TILE, 4, 1), key)]
     table = CANDIDATES[kernel]
     head_dim = min((d for d in table if d >= key.head_dim), default=max(table))
-    out: list[KernelConfig] = []
-    for cfg in table[head_dim]:
-        cfg = KernelConfig(min(cfg.block_m, sparse_m), min(cfg.block_n, sparse_n), cfg.num_warps, cfg.num_stages)
-        if cfg not in out:
-            out.append(cfg)
-    return out
+    return list(dict.fromkeys(fit(kernel, cfg, key) for cfg in table[head_dim]))
 
 
 def _cache_path() -> Path:
