@@ -50,7 +50,7 @@ def time_mode(fn, q, k, v, mode):
 
 SWEEP_GRID = {  # (block_m, block_n, warps, stages) ranges per kernel
     "forward": ((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)),
-    "backward": ((64, 128), (32, 64, 128), (4, 8), (2, 3)),
+    "backward": ((64, 128), (32, 64), (4, 8), (2, 3)),
 }
 
 
@@ -73,8 +73,8 @@ def profile_kernels(step, label: str) -> None:
     print(f"  {label:7} {total:9.1f} us  total")
 
 
-def sweep(q, k, v, mask, flex_mask) -> None:
-    """Time every SWEEP_GRID config of each kernel that one fwd+bwd call launches."""
+def sweep(q, k, v, mask, flex_mask, kernels) -> None:
+    """Time every SWEEP_GRID config of each of ``kernels`` that one fwd+bwd call launches."""
     captured = {}
     tuned = configs.run_tuned
 
@@ -90,6 +90,8 @@ def sweep(q, k, v, mask, flex_mask) -> None:
     finally:
         configs.run_tuned = tuned
     for kernel, (key, launch) in captured.items():
+        if kernel not in kernels:
+            continue
         chosen = configs._chosen[kernel, key]
         timings = {}
         for bm, bn, warps, stages in itertools.product(*SWEEP_GRID[kernel]):
@@ -123,6 +125,7 @@ def main():
     parser.add_argument("--patterns", nargs="+", default=list(PATTERNS))
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time tile configs per kernel, profile one call")
+    parser.add_argument("--kernels", nargs="+", default=list(SWEEP_GRID), help="the kernels --sweep times")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
     if not args.sweep:
@@ -138,7 +141,7 @@ def main():
                 flex_mask = to_flex_block_mask(mask, "cuda")
                 if args.sweep:
                     print(f"sweep D={dim} S={seq} {name} density={mask.density:.3f}", flush=True)
-                    sweep(q, k, v, mask, flex_mask)
+                    sweep(q, k, v, mask, flex_mask, args.kernels)
                     continue
                 peers = {
                     "triton": lambda q, k, v: sparseflash.attention(q, k, v, mask, backend="triton"),

@@ -266,7 +266,8 @@ def _attn_bwd(
 ):
     """Grid (key tiles + groups x query tiles, batch x kv_heads): the first programs of a row are
     dK/dV programs (BLOCK_M keys held, BLOCK_N queries streamed), the rest dQ programs of the
-    group's query heads (BLOCK_M queries held, BLOCK_N keys streamed)."""
+    group's query heads (BLOCK_M queries held, BLOCK_N keys streamed). Under CAUSAL both kinds
+    start with their longest programs (the first key tiles, the last query tiles)."""
     tile = tl.program_id(0)
     bhk = tl.program_id(1)
     kv_heads = heads // groups
@@ -286,13 +287,16 @@ def _attn_bwd(
     else:
         tile -= n_key_tiles
         n_q_tiles = tl.cdiv(q_len, BLOCK_M)
+        query_tile = tile % n_q_tiles
+        if MASK_KIND == 1:  # CAUSAL: the longest dQ programs (the last query tiles) start first
+            query_tile = n_q_tiles - 1 - query_tile
         _dq_program(
             Q, K, V, DO, LSE, DELTA, DQ, KEY_LENGTHS, ROW_FULL_NUM, ROW_FULL_IDX, ROW_PART_NUM, ROW_PART_IDX,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
             stride_dqb, stride_dqh, stride_dqm, stride_dqd,
             stride_row_num_h, stride_row_num_m, stride_row_idx_h, stride_row_idx_m,
-            tile % n_q_tiles, b, hk * groups + tile // n_q_tiles, heads, groups, q_len, kv_len, head_dim,
+            query_tile, b, hk * groups + tile // n_q_tiles, heads, groups, q_len, kv_len, head_dim,
             qk_scale, scale,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
             HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
