@@ -5,7 +5,7 @@
 
 Prints one row per (head_dim, S, pattern, mode): median ms (triton.testing.do_bench) of
 sparseflash-triton, FlexAttention and SDPA, triton's TFLOP/s (density-weighted) and the ratios.
-``--sweep`` instead times every kernel (forward, backward) of one fwd+bwd call over a wide grid of
+``--sweep`` instead times every kernel (forward, and backward or dkdv and dq) of one fwd+bwd call over a wide grid of
 tile configs, next to the one the tuner chose, and prints a CUDA-kernel profile of the call for
 sparseflash-triton and FlexAttention. A quick loop for kernel tuning; the benchmark harness
 (experiments/bench.py) is the record.
@@ -48,9 +48,12 @@ def time_mode(fn, q, k, v, mode):
     return do_bench(step, return_mode="median", warmup=50, rep=200, grad_to_none=leaves)
 
 
-SWEEP_GRID = {  # (block_m, block_n, warps, stages) ranges per kernel
+BACKWARD_SWEEP = ((64, 128), (32, 64), (4, 8), (2, 3))
+SWEEP_GRID = {  # (block_m held, block_n streamed, warps, stages) ranges per kernel
     "forward": ((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)),
-    "backward": ((64, 128), (32, 64), (4, 8), (2, 3)),
+    "backward": BACKWARD_SWEEP,
+    "dkdv": BACKWARD_SWEEP,
+    "dq": BACKWARD_SWEEP,
 }
 
 

@@ -85,9 +85,11 @@ def test_candidates_divide_the_mask_blocks(head_dim, monkeypatch):
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     q = torch.empty(1, 2, 300, head_dim)
     key = configs.ConfigKey.of(q, make("random", 300, block=(32, 64), density=0.5), head_dim)
-    forward, backward = configs.candidates("forward", key), configs.candidates("backward", key)
-    for options in forward, backward:
-        assert options and len(set(options)) == len(options)
-    assert all(32 % c.block_m == 0 and 64 % c.block_n == 0 for c in forward), forward
-    # the backward holds and streams tiles of both queries and keys: each divides both sides
-    assert all(32 % c.block_m == 0 and 32 % c.block_n == 0 for c in backward), backward
+    options = {kernel: configs.candidates(kernel, key) for kernel in configs.CANDIDATES}
+    for found in options.values():
+        assert found and len(set(found)) == len(found)
+    # the mask-block sides that the held and the streamed tile must divide: dkdv holds keys and
+    # streams queries; backward holds and streams both, so its tiles divide both sides
+    sides = {"forward": (32, 64), "dq": (32, 64), "dkdv": (64, 32), "backward": (32, 32)}
+    for kernel, (held_side, streamed_side) in sides.items():
+        assert all(held_side % c.block_m == 0 and streamed_side % c.block_n == 0 for c in options[kernel]), kernel

@@ -262,19 +262,20 @@ def _attn_bwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDEN_DOTS: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
     """Grid (key tiles + groups x query tiles, batch x kv_heads): the first programs of a row are
     dK/dV programs (BLOCK_M keys held, BLOCK_N queries streamed), the rest dQ programs of the
-    group's query heads (BLOCK_M queries held, BLOCK_N keys streamed). Under CAUSAL both kinds
-    start with their longest programs (the first key tiles, the last query tiles)."""
+    group's query heads (BLOCK_M queries held, BLOCK_N keys streamed). PROGRAMS 1 (2) launches only
+    the dK/dV (dQ) programs, for a grid of key tiles (groups x query tiles) alone. Under CAUSAL both
+    kinds start with their longest programs (the first key tiles, the last query tiles)."""
     tile = tl.program_id(0)
     bhk = tl.program_id(1)
     kv_heads = heads // groups
     b = bhk // kv_heads
     hk = bhk % kv_heads
     n_key_tiles = tl.cdiv(kv_len, BLOCK_M)
-    if tile < n_key_tiles:
+    if PROGRAMS == 1 or (PROGRAMS == 0 and tile < n_key_tiles):
         _dkdv_program(
             Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LENGTHS, COL_FULL_NUM, COL_FULL_IDX, COL_PART_NUM, COL_PART_IDX,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
@@ -285,7 +286,8 @@ def _attn_bwd(
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_N, BLOCK_M, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
             HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     else:
-        tile -= n_key_tiles
+        if PROGRAMS == 0:
+            tile -= n_key_tiles
         n_q_tiles = tl.cdiv(q_len, BLOCK_M)
         query_tile = tile % n_q_tiles
         if MASK_KIND == 1:  # CAUSAL: the longest dQ programs (the last query tiles) start first
@@ -304,6 +306,10 @@ def _attn_bwd(
 
 # ---------------------------------------------------------------------------------- launcher
 PREPROCESS_BLOCK_M = 64
+# One launch for both kinds of program from this padded head dim on; below it, two launches, so
+# that each kind gets its own warps (H100, head_dim 64: dK/dV wants 8 warps, dQ 4; the shared
+# launch was 10-22% slower there, and 0-12% faster at 128: docs/kernel_notes.md, version 9).
+FUSED_FROM_HEAD_DIM = 128
 
 
 def attention_backward(q, k, v, o, lse, do, dlse, inputs: KernelInputs):
@@ -321,15 +327,23 @@ def attention_backward(q, k, v, o, lse, do, dlse, inputs: KernelInputs):
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     cols, rows = inputs.tables_of("q"), inputs.tables_of("kv")
 
-    def launch(cfg: configs.KernelConfig) -> None:
-        programs = triton.cdiv(inputs.kv_len, cfg.block_m) + inputs.groups * triton.cdiv(q_len, cfg.block_m)
-        _attn_bwd[(programs, batch * inputs.kv_heads)](
-            q, k, v, do, lse, delta, dq, dk, dv, inputs.key_lengths, *cols[:4], *rows[:4],
-            *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), *strides(dk), *cols[4:], *rows[4:],
-            inputs.heads, inputs.groups, q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale, inputs.scale,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **inputs.flags(),
-        )
+    def launcher(programs: int):
+        def launch(cfg: configs.KernelConfig) -> None:
+            key_tiles = triton.cdiv(inputs.kv_len, cfg.block_m)
+            query_tiles = inputs.groups * triton.cdiv(q_len, cfg.block_m)
+            grid = ((key_tiles + query_tiles, key_tiles, query_tiles)[programs], batch * inputs.kv_heads)
+            _attn_bwd[grid](
+                q, k, v, do, lse, delta, dq, dk, dv, inputs.key_lengths, *cols[:4], *rows[:4],
+                *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), *strides(dk), *cols[4:],
+                *rows[4:], inputs.heads, inputs.groups, q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale,
+                inputs.scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, PROGRAMS=programs, **inputs.flags(),
+            )
+        return launch
 
-    configs.run_tuned("backward", inputs.config_key, launch)
+    if inputs.padded_dim >= FUSED_FROM_HEAD_DIM:
+        configs.run_tuned("backward", inputs.config_key, launcher(0))
+    else:
+        configs.run_tuned("dkdv", inputs.config_key, launcher(1))
+        configs.run_tuned("dq", inputs.config_key, launcher(2))
     return dq, dk, dv

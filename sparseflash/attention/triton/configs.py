@@ -75,9 +75,9 @@ def _configs(*rows: tuple[int, int, int, int]) -> list[KernelConfig]:
     return [KernelConfig(*row) for row in rows]
 
 
-# Candidates per kernel and padded head dim, best guess first. forward: (BLOCK_M queries held,
-# BLOCK_N keys streamed); backward: (BLOCK_M held, BLOCK_N streamed) for both of its programs,
-# queries held and keys streamed for dQ, keys held and queries streamed for dK/dV.
+# Candidates per kernel and padded head dim, best guess first, as (BLOCK_M held, BLOCK_N
+# streamed): forward and dq hold queries and stream keys, dkdv holds keys and streams queries;
+# backward launches both kinds of program at once (padded head dims >= 128, backward.py).
 CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
     "forward": {
         64: _configs((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3)),
@@ -85,8 +85,9 @@ CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
                       (64, 64, 4, 2), (64, 128, 4, 2)),
         256: _configs((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
     },
+    "dq": {64: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2))},
+    "dkdv": {64: _configs((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2))},
     "backward": {
-        64: _configs((128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 3)),
         128: _configs((128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3),
                       (128, 32, 8, 2), (128, 128, 8, 2)),
         256: _configs((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)),
@@ -100,7 +101,9 @@ _chosen: dict[tuple[str, ConfigKey], KernelConfig] = {}
 def fit(kernel: str, cfg: KernelConfig, key: ConfigKey) -> KernelConfig:
     """``cfg`` with its tiles cut down to divide the mask blocks (all sizes are powers of two)."""
     limit_m, limit_n = key.sparse_block
-    if kernel == "backward":  # its tiles serve both ways round, so each must divide both sides
+    if kernel == "dkdv":  # keys held, queries streamed
+        limit_m, limit_n = limit_n, limit_m
+    elif kernel == "backward":  # its tiles serve both ways round, so each must divide both sides
         limit_m = limit_n = min(limit_m, limit_n)
     return KernelConfig(min(cfg.block_m, limit_m), min(cfg.block_n, limit_n), cfg.num_warps, cfg.num_stages)
 
@@ -145,7 +148,7 @@ def _tune(launch: Callable[[KernelConfig], None], options: list[KernelConfig]) -
     timings = {}
     for cfg in options:
         try:
-            timings[cfg] = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+            timings[cfg] = do_bench(lambda: launch(cfg), warmup=25, rep=50, return_mode="median")
         except triton.runtime.errors.OutOfResources:
             continue  # e.g. more shared memory than the GPU has
     if not timings:
