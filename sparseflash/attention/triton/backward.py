@@ -307,8 +307,8 @@ def _attn_bwd(
 # ---------------------------------------------------------------------------------- launcher
 PREPROCESS_BLOCK_M = 64
 # One launch for both kinds of program from this padded head dim on; below it, two launches, so
-# that each kind gets its own warps (H100, head_dim 64: dK/dV wants 8 warps, dQ 4; the shared
-# launch was 10-22% slower there, and 0-12% faster at 128: docs/kernel_notes.md, version 9).
+# that each kind gets its own warps (H100, head_dim 64: dK/dV wants 8 warps, dQ 4, and one launch
+# made the dense fwd+bwd rows 9-22% slower; docs/kernel_notes.md, versions 9-11).
 FUSED_FROM_HEAD_DIM = 128
 
 
