@@ -3,15 +3,17 @@
 Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, SPARSE_BLOCK_M,
 SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS), and
   BLOCK_M   the tile a program holds: BLOCK_M queries of a dQ program, BLOCK_M keys of a dK/dV one;
-  BLOCK_N   the tile it streams: keys for dQ, queries for dK/dV (both divide both mask-block sides);
+  BLOCK_N   the tile it streams: keys for dQ, queries for dK/dV (in one launch, each tile divides
+            both sides of the mask blocks);
   HAS_DLSE  the loss also depends on lse: d lse / d s = p, so delta becomes rowsum(o * do) - dlse.
+  PROGRAMS  0: both kinds of program in one launch; 1: only dK/dV; 2: only dQ.
 
 The scores are recomputed from q, k and lse (p = exp2(s * scale * log2 e - lse * log2 e)), never
 stored. Rows that saw no key have lse = -inf; they are read as +inf so that their p is 0.
 - preprocess: delta = rowsum(o * do) (- dlse), one program per query tile.
-- _attn_bwd: one launch, two kinds of program in each row of the grid (one row per batch and
-  key/value head), so the dQ programs of a head run next to its dK/dV programs and share K, V, Q
-  and dO in L2:
+- _attn_bwd: two kinds of program in each row of the grid (one row per batch and key/value head),
+  so the dQ programs of a head run next to its dK/dV programs and share K, V, Q and dO in L2; under
+  head_dim 128 they go in two launches instead (FUSED_FROM_HEAD_DIM):
   - dK/dV: one program per key tile; it walks the column tables (or the DENSE / CAUSAL ranges) of
     every query head of its GQA group, so nothing is accumulated across programs. Keys past
     key_lengths[b] get zero gradients at the store.
