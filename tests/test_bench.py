@@ -139,6 +139,32 @@ def test_gate_refuses_a_wrong_backend(tmp_path, monkeypatch):
     assert "WRONG" in (tmp_path / "results.md").read_text()
 
 
+def test_rows_record_the_tuned_kernel_configs(tmp_path, monkeypatch):
+    """A row that runs the Triton kernels names the config each kernel launched with; others leave it empty."""
+    from sparseflash.attention import attention
+    from sparseflash.attention.triton import configs
+
+    used = []
+
+    def tuned(q, k, v, mask, ctx):  # the blocked kernels' answer, launched through the tuning table
+        def fwd():
+            for kernel in ("forward", "backward"):
+                used.append(configs.run_tuned(kernel, configs.ConfigKey.of(q, mask, 16), lambda cfg: None))
+            return attention(q, k, v, mask, backend="blocked")
+        return fwd
+
+    monkeypatch.setitem(bench_backends.REGISTRY, "tuned", bench_backends.HarnessBackend("tuned", tuned, lambda d: "triton"))
+    rows = run({**TINY, "seq_lens": [64], "patterns": ["dense"], "modes": ["fwd"],
+                "backends": ["tuned", "sparseflash-blocked"], "out_dir": str(tmp_path), "plots": {"enabled": False}})
+    by_backend = {r["backend"]: r for r in rows}
+    forward, backward = used[:2]
+    expected = (f"forward={forward.block_m}x{forward.block_n}/w{forward.num_warps}/s{forward.num_stages} "
+                f"backward={backward.block_m}x{backward.block_n}/w{backward.num_warps}/s{backward.num_stages}")
+    assert by_backend["tuned"]["status"] == "ok" and by_backend["tuned"]["kernel_configs"] == expected
+    assert by_backend["sparseflash-blocked"]["kernel_configs"] == ""
+    assert read_rows(tmp_path / "results.csv")[0]["kernel_configs"] == expected
+
+
 def test_gate_uses_a_trusted_backend_above_the_reference_limit(tmp_path):
     rows = run({**TINY, "seq_lens": [128], "patterns": ["dense"], "modes": ["fwd"], "backends": ["sparseflash"],
                 "check": {"reference_max_gb": 1e-9, "trusted": ["sparseflash-blocked"]}, "out_dir": str(tmp_path),

@@ -88,10 +88,17 @@ def measure_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: Bloc
         row.update(status="skipped", reason=reason)
         return
     grads = [q, k, v] if mode != "fwd" else []
+    kernel_configs = None
+    if row["impl"] == "triton":  # record the tuned tile configs this row runs with
+        from sparseflash.attention.triton import configs as kernel_configs
+
+        kernel_configs.launched.clear()
     try:
         fwd = backend.build(q, k, v, mask, ctx)
         (o, dgrads), row["first_call_ms"] = measure.wall_ms(lambda: measure.run_once(fwd, mode, q, k, v, do),
                                                             ctx.device)
+        if kernel_configs is not None:
+            row["kernel_configs"] = kernel_configs.launched_summary()
         if cfg.check.enabled:
             against, expected = trusted.get(backend_name)
             row["check_against"] = against
@@ -169,7 +176,7 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
                                 "median_ms": math.nan, "p20_ms": math.nan, "p80_ms": math.nan,
                                 "repeats": math.nan, "first_call_ms": math.nan, "tflops": math.nan,
                                 "speedup_vs_dense": math.nan, "check_against": "", "check_err": math.nan,
-                                "peak_mem_mb": math.nan,
+                                "peak_mem_mb": math.nan, "kernel_configs": "",
                             }
                             if input_error:
                                 row.update(status="skipped", reason=input_error)

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from sparseflash.attention.triton import configs
-from sparseflash.attention.triton.forward import KernelInputs, key_tile_scores, mma, row_tile_ranges, strides, tile_start
+from sparseflash.attention.triton.forward import (KernelInputs, key_tile_scores, mma, row_tile_ranges, strides,
+                                                  tile_start)
 
 
 @triton.jit(do_not_specialize=["q_len"])

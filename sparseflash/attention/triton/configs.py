@@ -96,6 +96,13 @@ CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
 INTERPRETER_TILE = 32
 
 _chosen: dict[tuple[str, ConfigKey], KernelConfig] = {}
+launched: dict[str, KernelConfig] = {}  # each kernel's latest config; the benchmark records it per row
+
+
+def launched_summary() -> str:
+    """``kernel=BLOCK_MxBLOCK_N/wWARPS/sSTAGES`` of each kernel launched since ``launched`` was cleared."""
+    return " ".join(f"{kernel}={c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}"
+                    for kernel, c in launched.items())
 
 
 def fit(kernel: str, cfg: KernelConfig, key: ConfigKey) -> KernelConfig:
@@ -171,5 +178,6 @@ def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], None
             cfg = _tune(launch, options)
             _save_choice(name, cfg)
         _chosen[kernel, key] = cfg
+    launched[kernel] = cfg
     launch(cfg)
     return cfg
