@@ -6,7 +6,8 @@
 # (fetch them here with /work/shared/device/wheels.sh); extra Hydra overrides are passed through:
 #   bash scripts/bench_gpu.sh [overrides...]
 # It writes into $OUT (default outputs/bench_gpu) six files: results.csv, results.md, results.jsonl,
-# bench_time.png, bench_speedup.png and bench.log.
+# bench_time.png, bench_speedup.png and bench.log; KEEP="results.csv bench.log" keeps fewer (the
+# device tool returns at most 8 files per call, so two runs in one call need KEEP).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site || exit 1
 set -uo pipefail
 OUT=${OUT:-outputs/bench_gpu}
@@ -21,8 +22,10 @@ timeout "${BENCH_TIMEOUT:-480}" python3 experiments/bench.py bench=h100 hydra.ru
     | tee -a "$OUT/bench.log"
 status=${PIPESTATUS[0]}
 # results.jsonl is streamed row by row, so even a stopped run leaves its rows behind.
+KEEP=${KEEP:-"results.csv results.md results.jsonl bench_time.png bench_speedup.png bench.log"}
 for f in results.csv results.md results.jsonl plots/bench_time.png plots/bench_speedup.png; do
-    [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/"
+    case " $KEEP " in *" $(basename "$f") "*) [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/" ;; esac
 done
+case " $KEEP " in *" bench.log "*) ;; *) rm -f "$OUT/bench.log" ;; esac
 ls -l "$OUT"
 exit "$status"
