@@ -55,13 +55,15 @@ def _compare(kind, q_len, kv_len, dim, dtype, gqa, key_lengths, device, batch=2,
     q, k, v, do = _inputs(batch, heads, kv_heads, q_len, kv_len, dim, dtype, device)
     mask = _mask(kind, q_len, kv_len, heads)
     lengths = None
-    if key_lengths:  # one full batch row and one with no key at all
+    if key_lengths == "cut":  # key lengths inside the sequence: blocks partly and wholly past them
+        lengths = torch.tensor([kv_len * 2 // 3 + 1, 17][:batch], device=device)
+    elif key_lengths:  # one full batch row and one with no key at all
         lengths = torch.tensor([kv_len, 0][:batch], device=device)
     got = attention_with_grads("triton", q, k, v, mask, do, lengths)
     want = attention_with_grads("reference", q, k, v, mask, do, lengths)
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
         assert_close(a, b, TOL[dtype], name)
-    if key_lengths:  # the padded batch row: output 0, lse -inf, gradients 0
+    if key_lengths is True:  # the padded batch row: output 0, lse -inf, gradients 0
         assert torch.all(got[0][1] == 0) and torch.all(got[1][1] == float("-inf"))
         assert all(torch.all(g[1] == 0) for g in got[2:])
     if kind == "empty-rows":
@@ -89,13 +91,17 @@ CPU_CASES = [
     ("butterfly", 100, 100, 24, torch.float32, True, True),
     ("random-256x16", 300, 200, 16, torch.float16, True, True),
     ("local-16x128", 150, 290, 16, torch.bfloat16, False, False),
+    ("butterfly", 111, 200, 64, torch.bfloat16, True, "cut"),
+    ("random-per-head", 130, 130, 16, torch.float16, False, "cut"),
+    ("bigbird", 100, 150, 8, torch.float16, True, "cut"),
+    ("causal", 150, 150, 16, torch.bfloat16, False, "cut"),
 ]
 
 
 def _case_id(case) -> str:
     kind, q_len, kv_len, dim, dtype, gqa, key_lengths = case
     return "-".join([kind, f"sq{q_len}", f"skv{kv_len}", f"d{dim}", str(dtype).removeprefix("torch."),
-                     "gqa" if gqa else "mha", "keylen" if key_lengths else "nokeylen"])
+                     "gqa" if gqa else "mha", {True: "keylen", "cut": "keylen-cut", False: "nokeylen"}[key_lengths]])
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=_case_id)
