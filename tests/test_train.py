@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,7 +152,19 @@ def _wandb_records(path):
     return out
 
 
-def _wandb_history(run_dir):
+def _wandb_history(run_dir, until, wait_s: float = 30.0):
+    """The history records of the offline run in ``run_dir``. The W&B service process may still be
+    flushing the transaction log when ``finish()`` has returned (it did once under load), so the
+    file is re-read until ``until(history)`` holds or ``wait_s`` has passed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        history = _read_wandb_history(run_dir)
+        if until(history) or time.monotonic() > deadline:
+            return history
+        time.sleep(0.2)
+
+
+def _read_wandb_history(run_dir):
     from wandb.proto import wandb_internal_pb2
 
     files = list(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
@@ -172,9 +185,9 @@ def test_wandb_offline_run_has_the_history(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     cfg = make_cfg(tmp_path, "logger=wandb", "trainer.max_steps=4", "trainer.eval_every=2")
     results = run(cfg, run_dir=tmp_path / "run")
-    history = _wandb_history(tmp_path / "run")
+    history = _wandb_history(tmp_path / "run", until=lambda h: any("test_acc" in r for r in h))
     steps = [h for h in history if "step_time" in h]
-    assert [h["_step"] for h in steps] == [1, 2, 3, 4], f"history records read: {history}"  # once empty, under load
+    assert [h["_step"] for h in steps] == [1, 2, 3, 4], f"history records read: {history}"
     assert all({"loss", "acc", "lr", "tokens_per_s", "peak_mem_mb"} <= set(h) for h in steps)
     assert [h["val_acc"] for h in history if "val_acc" in h and "test_acc" not in h]
     assert any(h.get("test_acc") == pytest.approx(results["test_acc"]) for h in history)
