@@ -9,6 +9,7 @@ also what the Hydra configs call, so a registered pattern is at once usable from
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -68,13 +69,18 @@ def import_patterns(sources: Iterable[str]) -> None:
             path = Path(source).resolve()
             if not path.is_file():
                 raise ValueError(f"import_patterns: no file {path} (from {source!r})")
-            name = f"sparseflash_user_patterns.{path.stem}"
+            # one module name per file (not per stem): two folders' patterns.py are two modules
+            name = f"sparseflash_user_patterns.{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
             if name in sys.modules:  # already imported: registering again would clash
                 continue
             spec = importlib.util.spec_from_file_location(name, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
-            spec.loader.exec_module(module)
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]  # a failed import is not "already imported"
+                raise
         else:
             if os.getcwd() not in sys.path:
                 sys.path.insert(0, os.getcwd())

@@ -43,6 +43,28 @@ def test_file_is_imported_once(tmp_path, private_registry):
     assert mask.layout.sum().item() == sum((i - j + 1) % 3 == 0 for i in range(6) for j in range(6))
 
 
+def test_same_file_name_in_two_folders_is_two_modules(tmp_path, private_registry):
+    names = []
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        name = f"third_{uuid.uuid4().hex[:8]}"
+        (tmp_path / folder / "patterns_here.py").write_text(PATTERN_SOURCE.format(name=name))
+        names.append(name)
+    import_patterns([str(tmp_path / "a" / "patterns_here.py"), str(tmp_path / "b" / "patterns_here.py")])
+    assert set(names) <= set(patterns.registered())
+
+
+def test_a_failed_import_is_retried(tmp_path, private_registry):
+    path, name = _write(tmp_path)
+    source = path.read_text()
+    path.write_text("raise RuntimeError('not yet')\n")
+    with pytest.raises(RuntimeError, match="not yet"):
+        import_patterns([str(path)])
+    path.write_text(source)
+    import_patterns([str(path)])
+    assert name in patterns.registered()
+
+
 def test_module_name_is_found_from_the_working_directory(tmp_path, private_registry, monkeypatch):
     path, name = _write(tmp_path)
     monkeypatch.chdir(tmp_path)
