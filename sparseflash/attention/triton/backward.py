@@ -143,6 +143,9 @@ def _dkdv_program(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     WALK_TABLES: tl.constexpr = MASK_KIND == 2
     n_q_tiles = tl.cdiv(q_len, BLOCK_M)
+    kv_bound = kv_len
+    if HAS_KEY_LENGTHS:
+        kv_bound = tl.minimum(kv_bound, tl.load(KEY_LENGTHS + b).to(tl.int32))
     for g in range(groups):
         h = hk * groups + g
         q_base = Q + b * stride_qb + h * stride_qh
@@ -152,6 +155,9 @@ def _dkdv_program(
             FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, start_n, n_q_tiles,
             stride_num_h, stride_num_n, stride_idx_h, stride_idx_n,
             MASK_KIND, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
+        if HAS_KEY_LENGTHS:  # a key tile wholly past key_lengths[b] walks nothing
+            full_hi = tl.where(start_n < kv_bound, full_hi, full_lo)
+            part_hi = tl.where(start_n < kv_bound, part_hi, part_lo)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
                              stride_qm, stride_qd, stride_dom, stride_dod, full_lo, full_hi, full_idx,
                              offs_n, offs_d, q_len, head_dim, qk_scale,
@@ -162,9 +168,6 @@ def _dkdv_program(
                              offs_n, offs_d, q_len, head_dim, qk_scale,
                              WALK_TABLES, IS_CAUSAL, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION,
                              WIDEN_DOTS)
-    kv_bound = kv_len
-    if HAS_KEY_LENGTHS:
-        kv_bound = tl.minimum(kv_bound, tl.load(KEY_LENGTHS + b).to(tl.int32))
     visible = offs_n[:, None] < kv_bound  # masked keys get exactly zero gradient
     dk = tl.where(visible, dk * scale, 0.0)
     dv = tl.where(visible, dv, 0.0)
@@ -232,7 +235,7 @@ def _dq_program(
     full_idx, full_hi, part_idx, part_lo, part_hi = row_tile_ranges(
         FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound,
         stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
-        MASK_KIND, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
+        MASK_KIND, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                    0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
                    WALK_TABLES, False, FULL_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,

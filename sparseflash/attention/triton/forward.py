@@ -54,24 +54,43 @@ def tile_start(t, idx_ptr, FROM_TABLE: tl.constexpr, BLOCK_N: tl.constexpr, SPAR
         return t * BLOCK_N
 
 
+TABLE_CHUNK = tl.constexpr(64)
+
+
+@triton.jit
+def blocks_below(idx_ptr, num, bound_block):
+    """How many of the ``num`` ascending block indices at idx_ptr are below ``bound_block``."""
+    count = 0
+    for start in range(0, num, TABLE_CHUNK):
+        offs = start + tl.arange(0, TABLE_CHUNK)
+        idx = tl.load(idx_ptr + offs, mask=offs < num, other=bound_block)
+        count += tl.sum((idx < bound_block).to(tl.int32), 0)
+    return count
+
+
 @triton.jit
 def row_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound,
                     stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
-                    MASK_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
+                    MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
     """Key tiles of the query tile at q_start, as an unmasked run and a masked run.
 
     Returns (full_idx, full_hi, part_idx, part_lo, part_hi): tiles [0, full_hi) need no element
     mask, tiles [part_lo, part_hi) do. SPARSE counts tiles of the blocks listed in its row
-    tables; DENSE and CAUSAL count tiles from key 0 and read no table."""
+    tables, without the blocks wholly past key_lengths[b] (the tables are ascending, so those
+    come last); DENSE and CAUSAL count tiles from key 0 up to kv_bound and read no table."""
     if MASK_KIND == 2:
         tiles_per_block: tl.constexpr = SPARSE_BLOCK_N // BLOCK_N
         mask_row = q_start // SPARSE_BLOCK_M
         num_off = h * stride_num_h + mask_row * stride_num_m
         idx_off = h * stride_idx_h + mask_row * stride_idx_m
-        full_hi = tl.load(FULL_NUM + num_off) * tiles_per_block
-        part_hi = tl.load(PART_NUM + num_off) * tiles_per_block
-        return FULL_IDX + idx_off, full_hi, PART_IDX + idx_off, 0, part_hi
+        full_num = tl.load(FULL_NUM + num_off)
+        part_num = tl.load(PART_NUM + num_off)
+        if HAS_KEY_LENGTHS:
+            bound_block = tl.cdiv(kv_bound, SPARSE_BLOCK_N)
+            full_num = blocks_below(FULL_IDX + idx_off, full_num, bound_block)
+            part_num = blocks_below(PART_IDX + idx_off, part_num, bound_block)
+        return FULL_IDX + idx_off, full_num * tiles_per_block, PART_IDX + idx_off, 0, part_num * tiles_per_block
     else:
         if MASK_KIND == 1:  # key tiles wholly at or below the tile's first row need no mask
             full_hi = tl.minimum(q_start + 1, kv_bound) // BLOCK_N
@@ -186,7 +205,7 @@ def _attn_fwd(
     full_idx, full_hi, part_idx, part_lo, part_hi = row_tile_ranges(
         FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound,
         stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
-        MASK_KIND, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
+        MASK_KIND, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
         0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
