@@ -76,8 +76,9 @@ def profile_kernels(step, label: str) -> None:
     print(f"  {label:7} {total:9.1f} us  total")
 
 
-def sweep(q, k, v, mask, flex_mask, kernels) -> None:
-    """Time every SWEEP_GRID config of each of ``kernels`` that one fwd+bwd call launches."""
+def sweep(q, k, v, mask, flex_mask, kernels, only=None) -> None:
+    """Time every SWEEP_GRID config (or the ``only`` list of (block_m, block_n, warps, stages)) of
+    each of ``kernels`` that one fwd+bwd call launches."""
     captured = {}
     tuned = configs.run_tuned
 
@@ -97,7 +98,7 @@ def sweep(q, k, v, mask, flex_mask, kernels) -> None:
             continue
         chosen = configs._chosen[kernel, key]
         timings = {}
-        for bm, bn, warps, stages in itertools.product(*SWEEP_GRID[kernel]):
+        for bm, bn, warps, stages in only or itertools.product(*SWEEP_GRID[kernel]):
             cfg = configs.fit(kernel, configs.KernelConfig(bm, bn, warps, stages), key)
             if cfg in timings:
                 continue
@@ -114,7 +115,7 @@ def sweep(q, k, v, mask, flex_mask, kernels) -> None:
         sparseflash.attention(*leaves, mask, backend="triton").backward(do)
 
     def flex_step():
-        flex_attention(*leaves, mask, block_mask=flex_mask).backward(do)
+        flex_attention(*leaves, mask, block_mask=flex_mask, dynamic=False).backward(do)
 
     profile_kernels(triton_step, "triton")
     profile_kernels(flex_step, "flex")
@@ -129,6 +130,7 @@ def main():
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time tile configs per kernel, profile one call")
     parser.add_argument("--kernels", nargs="+", default=list(SWEEP_GRID), help="the kernels --sweep times")
+    parser.add_argument("--configs", nargs="+", help="--sweep only these, as BLOCK_M,BLOCK_N,WARPS,STAGES")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
     if not args.sweep:
@@ -144,11 +146,13 @@ def main():
                 flex_mask = to_flex_block_mask(mask, "cuda")
                 if args.sweep:
                     print(f"sweep D={dim} S={seq} {name} density={mask.density:.3f}", flush=True)
-                    sweep(q, k, v, mask, flex_mask, args.kernels)
+                    only = [tuple(map(int, c.split(","))) for c in args.configs] if args.configs else None
+                    sweep(q, k, v, mask, flex_mask, args.kernels, only)
                     continue
                 peers = {
                     "triton": lambda q, k, v: sparseflash.attention(q, k, v, mask, backend="triton"),
-                    "flex": None if args.no_flex else lambda q, k, v: flex_attention(q, k, v, mask, block_mask=flex_mask),
+                    "flex": None if args.no_flex else (
+                        lambda q, k, v: flex_attention(q, k, v, mask, block_mask=flex_mask, dynamic=False)),
                     "sdpa": lambda q, k, v: sdpa_attention(q, k, v, mask),
                 }
                 for mode in args.modes:

@@ -21,8 +21,9 @@ Derived, cached per device (``tables(device)``):
 - row tables ``kv_num_blocks [H, n_q]``, ``kv_indices [H, n_q, n_kv]`` (ascending; entries past
   ``kv_num_blocks`` are padding and never read) for the forward and dQ passes;
 - column tables ``q_num_blocks [H, n_kv]``, ``q_indices [H, n_kv, n_q]`` for the dK/dV pass;
-- each split into *full* tiles (every element kept: no element mask needed) and *partial* tiles
-  (a causal diagonal or the ragged last key tile: the kernel applies the element mask).
+- each split into *full* tiles (every element kept and in bounds: no element mask needed) and
+  *partial* tiles (a causal diagonal, or a ragged last tile of keys or of queries: the kernel
+  applies the element mask and the bounds).
 
 A row of queries with no computed tile is legal: its output is 0 and its log-sum-exp ``-inf``.
 """
@@ -167,12 +168,12 @@ class BlockMask:
         q_last = torch.clamp(q_first + block_m, max=self.q_len) - 1
         kv_first = torch.arange(n_kv, device=device) * block_n
         kv_last = torch.clamp(kv_first + block_n, max=self.kv_len) - 1
-        ragged_kv = (kv_last - kv_first + 1 < block_n)[None, :]
+        ragged = (kv_last - kv_first + 1 < block_n)[None, :] | (q_last - q_first + 1 < block_m)[:, None]
         if not self.causal:
-            return torch.ones(n_q, n_kv, dtype=torch.bool, device=device), ragged_kv.expand(n_q, n_kv)
+            return torch.ones(n_q, n_kv, dtype=torch.bool, device=device), ragged
         visible = q_last[:, None] >= kv_first[None, :]
         crosses_diagonal = kv_last[None, :] > q_first[:, None]
-        return visible, crosses_diagonal | ragged_kv
+        return visible, crosses_diagonal | ragged
 
     # ------------------------------------------------------------------ derived views
     @property

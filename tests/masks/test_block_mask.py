@@ -137,13 +137,14 @@ def test_full_and_partial_tables_round_trip(random_mask):
 
 def test_partial_tiles_are_exactly_those_the_element_mask_cuts(random_mask):
     """A computed tile is partial iff some score of its full block_m x block_n extent (the
-    ragged key tail included) is dropped: the causal diagonal and the ragged last key column."""
+    ragged tails included) is dropped: the causal diagonal, the ragged last key column and the
+    ragged last query row."""
     mask, layout = random_mask
     block_m, block_n = mask.block_size
     dense = mask.to_dense()
     for h, i, j in mask.layout.nonzero().tolist():
         tile = dense[h, i * block_m:(i + 1) * block_m, j * block_n:(j + 1) * block_n]
-        cut = tile.shape[1] < block_n or not bool(tile.all())
+        cut = tile.shape != (block_m, block_n) or not bool(tile.all())
         assert bool(mask.partial_layout[h, i, j]) == cut, (h, i, j)
         assert bool(mask.full_layout[h, i, j]) == (not cut), (h, i, j)
         assert tile.any(), "a computed tile keeps at least one score (the layout is canonical)"
@@ -156,13 +157,14 @@ def test_partial_tiles_of_causal_square_mask_are_the_diagonal():
     assert torch.equal(mask.full_layout, torch.ones(8, 8, dtype=torch.bool).tril(-1)[None])
 
 
-def test_partial_tiles_of_ragged_dense_mask_are_the_last_key_column():
-    mask = make("dense", 100, 70, block=16)  # keys: 4 full tiles + one of 6
+def test_partial_tiles_of_ragged_dense_mask_are_the_last_key_column_and_query_row():
+    mask = make("dense", 100, 70, block=16)  # queries: 6 full tiles + one of 4; keys: 4 + one of 6
     expected = torch.zeros(1, 7, 5, dtype=torch.bool)
     expected[..., -1] = True
+    expected[:, -1] = True
     assert torch.equal(mask.partial_layout, expected)
-    assert mask.full_layout.sum() == 7 * 4
-    exact = make("dense", 100, 64, block=16)  # a ragged query tail needs no element mask
+    assert mask.full_layout.sum() == 6 * 4
+    exact = make("dense", 96, 64, block=16)
     assert not exact.partial_layout.any()
 
 

@@ -1,7 +1,7 @@
 """FlashAttention-2 backward: a preprocess kernel, then one kernel for dK/dV and dQ (no atomics).
 
 Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, SPARSE_BLOCK_M,
-SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS), and
+SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS), and
   BLOCK_M   the tile a program holds: BLOCK_M queries of a dQ program, BLOCK_M keys of a dK/dV one;
   BLOCK_N   the tile it streams: keys for dQ, queries for dK/dV (in one launch, each tile divides
             both sides of the mask blocks);
@@ -53,11 +53,16 @@ def _bwd_preprocess(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, stride_
 
 
 @triton.jit
-def _load_row_stats(LSE, DELTA, row_off, offs_m, q_len):
-    """lse in base 2 (+inf for rows that saw no key and rows past q_len) and delta."""
-    lse = tl.load(LSE + row_off + offs_m, mask=offs_m < q_len, other=float("inf"))
+def _load_row_stats(LSE, DELTA, row_off, offs_m, q_len, APPLY_ROW_BOUND: tl.constexpr):
+    """lse in base 2 (+inf for rows that saw no key and, with APPLY_ROW_BOUND, rows past q_len)
+    and delta."""
+    if APPLY_ROW_BOUND:
+        lse = tl.load(LSE + row_off + offs_m, mask=offs_m < q_len, other=float("inf"))
+        delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < q_len, other=0.0)
+    else:
+        lse = tl.load(LSE + row_off + offs_m)
+        delta = tl.load(DELTA + row_off + offs_m)
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-    delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < q_len, other=0.0)
     return lse, delta
 
 
@@ -90,18 +95,24 @@ def _col_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, start_n, n_q_til
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
                 stride_qm, stride_qd, stride_dom, stride_dod, t_lo, t_hi, idx_ptr,
                 offs_n, offs_d, q_len, head_dim, qk_scale,
-                FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                SPARSE_BLOCK_M: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
-    """Accumulate dK, dV of one key tile over query tiles t_lo..t_hi-1 (transposed scores)."""
+                FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_ROW_BOUND: tl.constexpr,
+                BLOCK_M: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, D_PADDED: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
+    """Accumulate dK, dV of one key tile over query tiles t_lo..t_hi-1 (transposed scores).
+    APPLY_ROW_BOUND: the tiles may hold rows past q_len (loaded as zeros, lse +inf)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for t in range(t_lo, t_hi):
         offs_m = tile_start(t, idx_ptr, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M) + offs_m0
         q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
         do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
-        rows_in = (offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim)
-        q = tl.load(q_ptrs, mask=rows_in, other=0.0)
-        do = tl.load(do_ptrs, mask=rows_in, other=0.0)
-        lse, delta = _load_row_stats(LSE, DELTA, row_off, offs_m, q_len)
+        if APPLY_ROW_BOUND or D_PADDED:
+            rows_in = (offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim)
+            q = tl.load(q_ptrs, mask=rows_in, other=0.0)
+            do = tl.load(do_ptrs, mask=rows_in, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+        lse, delta = _load_row_stats(LSE, DELTA, row_off, offs_m, q_len, APPLY_ROW_BOUND)
         s_t = mma(k, tl.trans(q), None, DOT_PRECISION, WIDEN_DOTS) * qk_scale  # (BN, BM)
         if APPLY_CAUSAL:
             s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, float("-inf"))
@@ -127,6 +138,7 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    EVEN_LENGTHS: tl.constexpr,
 ):
     """dK, dV of key tile ``key_tile`` (BLOCK_N keys) of key/value head hk, batch b."""
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
@@ -142,10 +154,12 @@ def _dkdv_program(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     WALK_TABLES: tl.constexpr = MASK_KIND == 2
-    n_q_tiles = tl.cdiv(q_len, BLOCK_M)
+    # Rows past q_len: only in a ragged last query tile (SPARSE: in its partial blocks alone).
+    FULL_ROWS_BOUNDED: tl.constexpr = not WALK_TABLES and not EVEN_LENGTHS
     kv_bound = kv_len
     if HAS_KEY_LENGTHS:
         kv_bound = tl.minimum(kv_bound, tl.load(KEY_LENGTHS + b).to(tl.int32))
+    n_q_tiles = tl.cdiv(q_len, BLOCK_M)
     for g in range(groups):
         h = hk * groups + g
         q_base = Q + b * stride_qb + h * stride_qh
@@ -161,13 +175,13 @@ def _dkdv_program(
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
                              stride_qm, stride_qd, stride_dom, stride_dod, full_lo, full_hi, full_idx,
                              offs_n, offs_d, q_len, head_dim, qk_scale,
-                             WALK_TABLES, False, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION,
-                             WIDEN_DOTS)
+                             WALK_TABLES, False, FULL_ROWS_BOUNDED, BLOCK_M, SPARSE_BLOCK_M, D_PADDED,
+                             DOT_PRECISION, WIDEN_DOTS)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
                              stride_qm, stride_qd, stride_dom, stride_dod, part_lo, part_hi, part_idx,
                              offs_n, offs_d, q_len, head_dim, qk_scale,
-                             WALK_TABLES, IS_CAUSAL, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION,
-                             WIDEN_DOTS)
+                             WALK_TABLES, IS_CAUSAL, not EVEN_LENGTHS, BLOCK_M, SPARSE_BLOCK_M, D_PADDED,
+                             DOT_PRECISION, WIDEN_DOTS)
     visible = offs_n[:, None] < kv_bound  # masked keys get exactly zero gradient
     dk = tl.where(visible, dk * scale, 0.0)
     dv = tl.where(visible, dv, 0.0)
@@ -209,6 +223,7 @@ def _dq_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
+    EVEN_LENGTHS: tl.constexpr,
 ):
     """dQ of query tile ``query_tile`` (BLOCK_M queries) of query head h, batch b."""
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
@@ -223,7 +238,7 @@ def _dq_program(
                 mask=rows_in, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                  mask=rows_in, other=0.0)
-    lse, delta = _load_row_stats(LSE, DELTA, bh * q_len, offs_m, q_len)
+    lse, delta = _load_row_stats(LSE, DELTA, bh * q_len, offs_m, q_len, True)
     k_base = K + b * stride_kb + (h // groups) * stride_kh
     v_base = V + b * stride_vb + (h // groups) * stride_vh
     kv_bound = kv_len
@@ -232,6 +247,7 @@ def _dq_program(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     WALK_TABLES: tl.constexpr = MASK_KIND == 2
     FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
+    PART_NEEDS_BOUND: tl.constexpr = HAS_KEY_LENGTHS or not EVEN_LENGTHS
     full_idx, full_hi, part_idx, part_lo, part_hi = row_tile_ranges(
         FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound,
         stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
@@ -242,7 +258,7 @@ def _dq_program(
                    WIDEN_DOTS)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                    part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
-                   WALK_TABLES, IS_CAUSAL, True, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
+                   WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
                    WIDEN_DOTS)
     out = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=rows_in)
@@ -268,7 +284,7 @@ def _attn_bwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDEN_DOTS: tl.constexpr, PROGRAMS: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
     """Grid (key tiles + groups x query tiles, batch x kv_heads): the first programs of a row are
     dK/dV programs (BLOCK_M keys held, BLOCK_N queries streamed), the rest dQ programs of the
@@ -290,7 +306,7 @@ def _attn_bwd(
             stride_col_num_h, stride_col_num_n, stride_col_idx_h, stride_col_idx_n,
             tile, b, hk, heads, groups, q_len, kv_len, head_dim, qk_scale, scale,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_N, BLOCK_M, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS)
     else:
         if PROGRAMS == 0:
             tile -= n_key_tiles
@@ -307,7 +323,7 @@ def _attn_bwd(
             query_tile, b, hk * groups + tile // n_q_tiles, heads, groups, q_len, kv_len, head_dim,
             qk_scale, scale,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS)
 
 
 # ---------------------------------------------------------------------------------- launcher
@@ -343,7 +359,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, inputs: KernelInputs):
                 *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), *strides(dk), *cols[4:],
                 *rows[4:], inputs.heads, inputs.groups, q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale,
                 inputs.scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, PROGRAMS=programs, **inputs.flags(),
+                num_stages=cfg.num_stages, PROGRAMS=programs, **inputs.flags(cfg),
             )
         return launch
 

@@ -6,7 +6,9 @@ On first use of a key, each candidate config is timed on the real inputs (median
 Triton version. The key also holds two log2 buckets of the problem: the loop's trip count (mask
 blocks per query row) and the grid's size (batch x heads x query tiles), since short loops and
 small grids favour other tiles than the long, full ones. Sequence lengths themselves are not
-specialised on, so a new length never recompiles (a new bucket only re-times compiled configs). Under the interpreter (``TRITON_INTERPRET=1``) no tuning
+specialised on: a new length compiles nothing new, except the first length that the tiles do not
+divide (or, after one, do), for DENSE and CAUSAL: the EVEN_LENGTHS variant (forward.py); a new
+bucket only re-times compiled configs. Under the interpreter (``TRITON_INTERPRET=1``) no tuning
 runs: small tiles keep the CPU tests fast and exercise several tiles per mask block.
 Set ``SPARSEFLASH_TUNE=0`` to skip tuning and take each list's first candidate.
 """

@@ -10,6 +10,9 @@ Constexpr flags (one kernel body, specialised by the compiler):
   HEAD_DIM        head dim padded to a power of two >= 16; D_PADDED: the real one is smaller.
   DOT_PRECISION   tl.dot input precision ("tf32" for fp32 inputs, "ieee" in the interpreter).
   WIDEN_DOTS      interpreter only: widen dot operands to fp32 (its bf16 dot is wrong).
+  EVEN_LENGTHS    DENSE and CAUSAL only: both tiles divide q_len and kv_len, so no tile holds a
+                  row or key past them and the loads need no bounds. The lengths themselves are
+                  not specialised on: a new length compiles at most this one more variant.
 
 The softmax runs in base 2: scores are scaled by scale * log2(e), the running max m and sum l
 are kept per row and the output is divided by l once at the end; lse = (m + log2 l) * ln 2.
@@ -174,7 +177,7 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDEN_DOTS: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr,
 ):
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
     tl.static_assert(SPARSE_BLOCK_N % BLOCK_N == 0, "BLOCK_N must divide SPARSE_BLOCK_N")
@@ -202,6 +205,7 @@ def _attn_fwd(
     # SPARSE full blocks may still straddle key_lengths[b]; DENSE/CAUSAL runs stop before it.
     WALK_TABLES: tl.constexpr = MASK_KIND == 2
     FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
+    PART_NEEDS_BOUND: tl.constexpr = HAS_KEY_LENGTHS or not EVEN_LENGTHS
     full_idx, full_hi, part_idx, part_lo, part_hi = row_tile_ranges(
         FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound,
         stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
@@ -214,7 +218,7 @@ def _attn_fwd(
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
         part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
-        WALK_TABLES, IS_CAUSAL, True, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
+        WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
         WIDEN_DOTS)
 
     seen = l_i > 0.0
@@ -256,14 +260,16 @@ class KernelInputs:
                 0 if shared else full_num.stride(0), full_num.stride(1),
                 0 if shared else full_idx.stride(0), full_idx.stride(1))
 
-    def flags(self) -> dict:
-        """Constexpr flags shared by the forward and backward kernels."""
+    def flags(self, cfg: configs.KernelConfig) -> dict:
+        """Constexpr flags shared by the forward and backward kernels, for a launch with ``cfg``."""
+        even = self.mask.kind is not MaskKind.SPARSE and all(
+            length % tile == 0 for length in (self.q_len, self.kv_len) for tile in (cfg.block_m, cfg.block_n))
         return dict(
             MASK_KIND=KIND_CODES[self.mask.kind], IS_CAUSAL=self.mask.causal,
             HAS_KEY_LENGTHS=self.has_key_lengths,
             SPARSE_BLOCK_M=self.mask.block_size[0], SPARSE_BLOCK_N=self.mask.block_size[1],
             HEAD_DIM=self.padded_dim, D_PADDED=self.padded_dim != self.head_dim,
-            DOT_PRECISION=self.config_key.dot_precision, WIDEN_DOTS=configs.interpreting(),
+            DOT_PRECISION=self.config_key.dot_precision, WIDEN_DOTS=configs.interpreting(), EVEN_LENGTHS=even,
         )
 
 
@@ -283,7 +289,7 @@ def attention_forward(q, k, v, inputs: KernelInputs) -> tuple[torch.Tensor, torc
             *strides(q), *strides(k), *strides(v), *strides(o), *inputs.tables_of("kv")[4:],
             inputs.heads, inputs.groups, inputs.q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **inputs.flags(),
+            **inputs.flags(cfg),
         )
 
     configs.run_tuned("forward", inputs.config_key, launch)
