@@ -95,43 +95,42 @@ def test_candidates_divide_the_mask_blocks(head_dim, monkeypatch):
         assert all(held_side % c.block_m == 0 and streamed_side % c.block_n == 0 for c in options[kernel]), kernel
 
 
+def _out_of_resources():
+    import triton
+
+    return triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
+
+
 def _scripted_bench(monkeypatch, script):
-    """Replace do_bench: the n-th timing of a config returns ``script[config][n]`` (an exception is raised)."""
+    """Replace do_bench: the n-th timing of a config returns ``script[config][n - 1]`` (an exception
+    is raised). Returns the launch function to tune with and the timings counted per config."""
     import triton.testing
 
-    calls = {}
+    launched, timed = [], {}
 
     def bench(fn, **kwargs):
         fn()
         cfg = launched[-1]
-        n = calls[cfg] = calls.get(cfg, -1) + 1
-        result = script[cfg][n]
+        timed[cfg] = timed.get(cfg, 0) + 1
+        result = script[cfg][timed[cfg] - 1]
         if isinstance(result, Exception):
             raise result
         return result
 
-    launched = []
     monkeypatch.setattr(triton.testing, "do_bench", bench)
-    return launched.append, calls
+    return launched.append, timed
 
 
 def test_tune_takes_each_configs_best_round(monkeypatch):
     a, b, c = (configs.KernelConfig(m, 64, 4, 2) for m in (32, 64, 128))
-    too_big = triton_out_of_resources()
     # a's first timing hit a transient slowdown; c never fits (timed once, then skipped)
-    launch, calls = _scripted_bench(monkeypatch, {a: [9.0, 3.0], b: [5.0, 4.0], c: [too_big]})
+    launch, timed = _scripted_bench(monkeypatch, {a: [9.0, 3.0], b: [5.0, 4.0], c: [_out_of_resources()]})
     assert configs._tune(launch, [a, b, c]) == a
-    assert calls == {a: 1, b: 1, c: 0} and configs.TUNING_ROUNDS == 2
+    assert timed == {a: 2, b: 2, c: 1} and configs.TUNING_ROUNDS == 2
 
 
 def test_tune_says_when_no_config_fits(monkeypatch):
     a = configs.KernelConfig(64, 64, 4, 2)
-    launch, _ = _scripted_bench(monkeypatch, {a: [triton_out_of_resources()]})
+    launch, _ = _scripted_bench(monkeypatch, {a: [_out_of_resources()]})
     with pytest.raises(RuntimeError, match="no kernel config fits"):
         configs._tune(launch, [a])
-
-
-def triton_out_of_resources():
-    import triton
-
-    return triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
