@@ -78,7 +78,8 @@ def profile_kernels(step, label: str) -> None:
 
 def sweep(q, k, v, mask, flex_mask, kernels, only=None) -> None:
     """Time every SWEEP_GRID config (or the ``only`` list of (block_m, block_n, warps, stages)) of
-    each of ``kernels`` that one fwd+bwd call launches."""
+    each of ``kernels`` that one fwd+bwd call launches; profile FlexAttention's call too unless
+    ``flex_mask`` is None."""
     captured = {}
     tuned = configs.run_tuned
 
@@ -103,7 +104,7 @@ def sweep(q, k, v, mask, flex_mask, kernels, only=None) -> None:
             if cfg in timings:
                 continue
             try:
-                timings[cfg] = do_bench(lambda: launch(cfg), warmup=5, rep=30, return_mode="median")
+                timings[cfg] = do_bench(lambda: launch(cfg), warmup=10, rep=100, return_mode="median")
             except Exception as err:  # out of shared memory or registers
                 timings[cfg] = float("nan")
                 print(f"  {kernel} {cfg}: {type(err).__name__}")
@@ -118,7 +119,8 @@ def sweep(q, k, v, mask, flex_mask, kernels, only=None) -> None:
         flex_attention(*leaves, mask, block_mask=flex_mask, dynamic=False).backward(do)
 
     profile_kernels(triton_step, "triton")
-    profile_kernels(flex_step, "flex")
+    if flex_mask is not None:
+        profile_kernels(flex_step, "flex")
 
 
 def main():
@@ -143,7 +145,7 @@ def main():
             q, k, v = (torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             for name in args.patterns:
                 mask = make(name, seq, block=128, **PATTERNS[name])
-                flex_mask = to_flex_block_mask(mask, "cuda")
+                flex_mask = None if args.no_flex else to_flex_block_mask(mask, "cuda")
                 if args.sweep:
                     print(f"sweep D={dim} S={seq} {name} density={mask.density:.3f}", flush=True)
                     only = [tuple(map(int, c.split(","))) for c in args.configs] if args.configs else None

@@ -9,8 +9,10 @@ SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS), an
   PROGRAMS  0: both kinds of program in one launch; 1: only dK/dV; 2: only dQ.
 
 The scores are recomputed from q, k and lse (p = exp2(s * scale * log2 e - lse * log2 e)), never
-stored. Rows that saw no key have lse = -inf; they are read as +inf so that their p is 0.
-- preprocess: delta = rowsum(o * do) (- dlse), one program per query tile.
+stored.
+- preprocess, one program per query tile: delta = rowsum(o * do) (- dlse), and lse2 = lse * log2 e,
+  the base-2 lse the loops subtract; rows that saw no key (lse = -inf) get lse2 = +inf, so that
+  their p is 0.
 - _attn_bwd: two kinds of program in each row of the grid (one row per batch and key/value head),
   so the dQ programs of a head run next to its dK/dV programs and share K, V, Q and dO in L2; under
   head_dim 128 they go in two launches instead (FUSED_FROM_HEAD_DIM):
@@ -28,12 +30,12 @@ import triton
 import triton.language as tl
 
 from sparseflash.attention.triton import configs
-from sparseflash.attention.triton.forward import (KernelInputs, key_tile_scores, mma, row_tile_ranges, strides,
-                                                  tile_start)
+from sparseflash.attention.triton.forward import (KernelInputs, key_tile_scores, listed_block, mma, row_tile_ranges,
+                                                  strides, tile_start)
 
 
 @triton.jit(do_not_specialize=["q_len"])
-def _bwd_preprocess(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, stride_od,
+def _bwd_preprocess(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_oh, stride_om, stride_od,
                     stride_dob, stride_doh, stride_dom, stride_dod, heads, q_len, head_dim,
                     HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     bh = tl.program_id(1)
@@ -50,20 +52,21 @@ def _bwd_preprocess(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, stride_
     if HAS_DLSE:
         delta -= tl.load(DLSE + bh * q_len + offs_m, mask=offs_m < q_len, other=0.0)
     tl.store(DELTA + bh * q_len + offs_m, delta, mask=offs_m < q_len)
+    lse = tl.load(LSE + bh * q_len + offs_m, mask=offs_m < q_len, other=0.0)
+    tl.store(LSE2 + bh * q_len + offs_m, tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634,
+             mask=offs_m < q_len)
 
 
 @triton.jit
-def _load_row_stats(LSE, DELTA, row_off, offs_m, q_len, APPLY_ROW_BOUND: tl.constexpr):
-    """lse in base 2 (+inf for rows that saw no key and, with APPLY_ROW_BOUND, rows past q_len)
-    and delta."""
+def _load_row_stats(LSE2, DELTA, row_off, offs_m, q_len, APPLY_ROW_BOUND: tl.constexpr):
+    """lse2 (+inf for rows that saw no key and, with APPLY_ROW_BOUND, rows past q_len) and delta."""
     if APPLY_ROW_BOUND:
-        lse = tl.load(LSE + row_off + offs_m, mask=offs_m < q_len, other=float("inf"))
+        lse2 = tl.load(LSE2 + row_off + offs_m, mask=offs_m < q_len, other=float("inf"))
         delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < q_len, other=0.0)
     else:
-        lse = tl.load(LSE + row_off + offs_m)
+        lse2 = tl.load(LSE2 + row_off + offs_m)
         delta = tl.load(DELTA + row_off + offs_m)
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-    return lse, delta
+    return lse2, delta
 
 
 @triton.jit
@@ -92,7 +95,7 @@ def _col_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, start_n, n_q_til
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
                 stride_qm, stride_qd, stride_dom, stride_dod, t_lo, t_hi, idx_ptr,
                 offs_n, offs_d, q_len, head_dim, qk_scale,
                 FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_ROW_BOUND: tl.constexpr,
@@ -101,8 +104,9 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
     """Accumulate dK, dV of one key tile over query tiles t_lo..t_hi-1 (transposed scores).
     APPLY_ROW_BOUND: the tiles may hold rows past q_len (loaded as zeros, lse +inf)."""
     offs_m0 = tl.arange(0, BLOCK_M)
+    block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M)
     for t in range(t_lo, t_hi):
-        offs_m = tile_start(t, idx_ptr, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M) + offs_m0
+        offs_m = tile_start(t, block, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M) + offs_m0
         q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
         do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
         if APPLY_ROW_BOUND or D_PADDED:
@@ -112,7 +116,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
         else:
             q = tl.load(q_ptrs)
             do = tl.load(do_ptrs)
-        lse, delta = _load_row_stats(LSE, DELTA, row_off, offs_m, q_len, APPLY_ROW_BOUND)
+        lse, delta = _load_row_stats(LSE2, DELTA, row_off, offs_m, q_len, APPLY_ROW_BOUND)
         s_t = mma(k, tl.trans(q), None, DOT_PRECISION, WIDEN_DOTS) * qk_scale  # (BN, BM)
         if APPLY_CAUSAL:
             s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, float("-inf"))
@@ -121,12 +125,13 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
         dp_t = mma(v, tl.trans(do), None, DOT_PRECISION, WIDEN_DOTS)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = mma(ds_t.to(q.dtype), q, dk, DOT_PRECISION, WIDEN_DOTS)
+        block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_program(
-    Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LENGTHS, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, KEY_LENGTHS, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -172,12 +177,12 @@ def _dkdv_program(
         if HAS_KEY_LENGTHS:  # a key tile wholly past key_lengths[b] walks nothing
             full_hi = tl.where(start_n < kv_bound, full_hi, full_lo)
             part_hi = tl.where(start_n < kv_bound, part_hi, part_lo)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
                              stride_qm, stride_qd, stride_dom, stride_dod, full_lo, full_hi, full_idx,
                              offs_n, offs_d, q_len, head_dim, qk_scale,
                              WALK_TABLES, False, FULL_ROWS_BOUNDED, BLOCK_M, SPARSE_BLOCK_M, D_PADDED,
                              DOT_PRECISION, WIDEN_DOTS)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_off,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
                              stride_qm, stride_qd, stride_dom, stride_dod, part_lo, part_hi, part_idx,
                              offs_n, offs_d, q_len, head_dim, qk_scale,
                              WALK_TABLES, IS_CAUSAL, not EVEN_LENGTHS, BLOCK_M, SPARSE_BLOCK_M, D_PADDED,
@@ -197,8 +202,9 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
               BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Accumulate dQ of one query tile over key tiles t_lo..t_hi-1."""
+    block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     for t in range(t_lo, t_hi):
-        offs_kv = tile_start(t, idx_ptr, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
+        offs_kv = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
         s, k_t, v_t = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m,
                                       offs_kv, offs_d, kv_bound, head_dim, qk_scale, APPLY_CAUSAL, APPLY_KV_BOUND,
                                       D_PADDED, True, DOT_PRECISION, WIDEN_DOTS)
@@ -206,12 +212,13 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
         dp = mma(do, v_t, None, DOT_PRECISION, WIDEN_DOTS)
         ds = p * (dp - delta[:, None])
         dq = mma(ds.to(k_t.dtype), tl.trans(k_t), dq, DOT_PRECISION, WIDEN_DOTS)
+        block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     return dq
 
 
 @triton.jit
 def _dq_program(
-    Q, K, V, DO, LSE, DELTA, DQ, KEY_LENGTHS, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+    Q, K, V, DO, LSE2, DELTA, DQ, KEY_LENGTHS, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -238,7 +245,7 @@ def _dq_program(
                 mask=rows_in, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                  mask=rows_in, other=0.0)
-    lse, delta = _load_row_stats(LSE, DELTA, bh * q_len, offs_m, q_len, True)
+    lse, delta = _load_row_stats(LSE2, DELTA, bh * q_len, offs_m, q_len, True)
     k_base = K + b * stride_kb + (h // groups) * stride_kh
     v_base = V + b * stride_vb + (h // groups) * stride_vh
     kv_bound = kv_len
@@ -268,7 +275,7 @@ def _dq_program(
                                "stride_col_idx_n", "stride_row_num_h", "stride_row_num_m", "stride_row_idx_h",
                                "stride_row_idx_m"])
 def _attn_bwd(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KEY_LENGTHS,
+    Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, KEY_LENGTHS,
     COL_FULL_NUM, COL_FULL_IDX, COL_PART_NUM, COL_PART_IDX,
     ROW_FULL_NUM, ROW_FULL_IDX, ROW_PART_NUM, ROW_PART_IDX,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -299,7 +306,7 @@ def _attn_bwd(
     n_key_tiles = tl.cdiv(kv_len, BLOCK_M)
     if PROGRAMS == 1 or (PROGRAMS == 0 and tile < n_key_tiles):
         _dkdv_program(
-            Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LENGTHS, COL_FULL_NUM, COL_FULL_IDX, COL_PART_NUM, COL_PART_IDX,
+            Q, K, V, DO, LSE2, DELTA, DK, DV, KEY_LENGTHS, COL_FULL_NUM, COL_FULL_IDX, COL_PART_NUM, COL_PART_IDX,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
             stride_dkb, stride_dkh, stride_dkn, stride_dkd,
@@ -315,7 +322,7 @@ def _attn_bwd(
         if MASK_KIND == 1:  # CAUSAL: the longest dQ programs (the last query tiles) start first
             query_tile = n_q_tiles - 1 - query_tile
         _dq_program(
-            Q, K, V, DO, LSE, DELTA, DQ, KEY_LENGTHS, ROW_FULL_NUM, ROW_FULL_IDX, ROW_PART_NUM, ROW_PART_IDX,
+            Q, K, V, DO, LSE2, DELTA, DQ, KEY_LENGTHS, ROW_FULL_NUM, ROW_FULL_IDX, ROW_PART_NUM, ROW_PART_IDX,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
             stride_dqb, stride_dqh, stride_dqm, stride_dqd,
@@ -337,10 +344,10 @@ FUSED_FROM_HEAD_DIM = 128
 def attention_backward(q, k, v, o, lse, do, dlse, inputs: KernelInputs):
     """``dq, dk, dv`` (dtypes and shapes of q, k, v) for the gradients ``do`` of o and ``dlse`` of lse."""
     batch, heads, q_len = inputs.batch, inputs.heads, inputs.q_len
-    delta = torch.empty_like(lse)
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     has_dlse = dlse is not None
     _bwd_preprocess[(triton.cdiv(q_len, PREPROCESS_BLOCK_M), batch * heads)](
-        o, do, dlse.contiguous() if has_dlse else lse, delta, *strides(o), *strides(do),
+        o, do, lse, dlse.contiguous() if has_dlse else lse, delta, lse2, *strides(o), *strides(do),
         heads, q_len, inputs.head_dim,
         HAS_DLSE=has_dlse, BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM=inputs.padded_dim,
     )
@@ -355,7 +362,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, inputs: KernelInputs):
             query_tiles = inputs.groups * triton.cdiv(q_len, cfg.block_m)
             grid = ((key_tiles + query_tiles, key_tiles, query_tiles)[programs], batch * inputs.kv_heads)
             _attn_bwd[grid](
-                q, k, v, do, lse, delta, dq, dk, dv, inputs.key_lengths, *cols[:4], *rows[:4],
+                q, k, v, do, lse2, delta, dq, dk, dv, inputs.key_lengths, *cols[:4], *rows[:4],
                 *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), *strides(dk), *cols[4:],
                 *rows[4:], inputs.heads, inputs.groups, q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale,
                 inputs.scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,

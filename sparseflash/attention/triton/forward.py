@@ -47,11 +47,27 @@ def mma(a, b, acc, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
 
 
 @triton.jit
-def tile_start(t, idx_ptr, FROM_TABLE: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
-    """First key index of tile ``t``: ``t * BLOCK_N``, or the t-th tile of the blocks listed at idx_ptr."""
+def listed_block(idx_ptr, t, t_hi, FROM_TABLE: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
+    """The mask block that holds tile ``t`` of a walk over the blocks listed at idx_ptr (0 for t >= t_hi,
+    and without a table).
+
+    The loops read it for the next tile at the end of each tile and carry it. A read that feeds
+    the tile's own addresses makes Triton's pipeliner copy it asynchronously too, and then wait
+    for every copy in flight at each tile (``DEPBAR.LE SB0, 0x0``) instead of keeping
+    num_stages - 1 tiles of K/V (or Q/dO) in flight; a read at the start of the tile lives across
+    its dots and made the dK/dV loop spill (kernel_notes.md, version 15)."""
     if FROM_TABLE:
         tiles_per_block: tl.constexpr = SPARSE_BLOCK_N // BLOCK_N
-        block = tl.load(idx_ptr + t // tiles_per_block)
+        return tl.load(idx_ptr + t // tiles_per_block, mask=t < t_hi, other=0)
+    else:
+        return 0
+
+
+@triton.jit
+def tile_start(t, block, FROM_TABLE: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
+    """First key index of tile ``t``: ``t * BLOCK_N``, or its offset in the listed mask block ``block``."""
+    if FROM_TABLE:
+        tiles_per_block: tl.constexpr = SPARSE_BLOCK_N // BLOCK_N
         return block * SPARSE_BLOCK_N + (t % tiles_per_block) * BLOCK_N
     else:
         return t * BLOCK_N
@@ -144,8 +160,9 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
                BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
                DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Online softmax over key tiles t_lo..t_hi-1 of one query tile."""
+    block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     for t in range(t_lo, t_hi):
-        offs_kv = tile_start(t, idx_ptr, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
+        offs_kv = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
         s, _, v = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv,
                                   offs_d, kv_bound, head_dim, qk_scale, APPLY_CAUSAL, APPLY_KV_BOUND, D_PADDED,
                                   False, DOT_PRECISION, WIDEN_DOTS)
@@ -160,6 +177,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         acc = acc * alpha[:, None]
         acc = mma(p.to(v.dtype), v, acc, DOT_PRECISION, WIDEN_DOTS)
         m_i = m_new
+        block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     return acc, l_i, m_i
 
 
