@@ -355,6 +355,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, inputs: KernelInputs):
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     cols, rows = inputs.tables_of("q"), inputs.tables_of("kv")
+    tensor_strides = (*strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), *strides(dk))
 
     def launcher(programs: int):
         def launch(cfg: configs.KernelConfig) -> None:
@@ -362,10 +363,9 @@ def attention_backward(q, k, v, o, lse, do, dlse, inputs: KernelInputs):
             query_tiles = inputs.groups * triton.cdiv(q_len, cfg.block_m)
             grid = ((key_tiles + query_tiles, key_tiles, query_tiles)[programs], batch * inputs.kv_heads)
             _attn_bwd[grid](
-                q, k, v, do, lse2, delta, dq, dk, dv, inputs.key_lengths, *cols[:4], *rows[:4],
-                *strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), *strides(dk), *cols[4:],
-                *rows[4:], inputs.heads, inputs.groups, q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale,
-                inputs.scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                q, k, v, do, lse2, delta, dq, dk, dv, inputs.key_lengths, *cols[:4], *rows[:4], *tensor_strides,
+                *cols[4:], *rows[4:], inputs.heads, inputs.groups, q_len, inputs.kv_len, inputs.head_dim,
+                inputs.qk_scale, inputs.scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, PROGRAMS=programs, **inputs.flags(cfg),
             )
         return launch

@@ -263,10 +263,16 @@ class KernelInputs:
                             else torch.empty(1, dtype=torch.int32, device=q.device))
         self.tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
         self.config_key = configs.ConfigKey.of(q, mask, self.padded_dim)
+        # Built once per call: the launch path is host-bound for short sequences.
+        self._table_args = {side: self._table_args_of(side) for side in ("kv", "q")}
+        self._flags: dict[configs.KernelConfig, dict] = {}
 
     def tables_of(self, side: str) -> tuple:
         """``side`` "kv" (row tables) or "q" (column tables): full num/idx, partial num/idx and
         the (head, row) strides of num and idx; the head stride is 0 for a shared layout."""
+        return self._table_args[side]
+
+    def _table_args_of(self, side: str) -> tuple:
         if self.tables is None:  # DENSE and CAUSAL kernels read no table
             dummy = self.key_lengths
             return dummy, dummy, dummy, dummy, 0, 0, 0, 0
@@ -280,6 +286,11 @@ class KernelInputs:
 
     def flags(self, cfg: configs.KernelConfig) -> dict:
         """Constexpr flags shared by the forward and backward kernels, for a launch with ``cfg``."""
+        if cfg not in self._flags:
+            self._flags[cfg] = self._flags_of(cfg)
+        return self._flags[cfg]
+
+    def _flags_of(self, cfg: configs.KernelConfig) -> dict:
         even = self.mask.kind is not MaskKind.SPARSE and all(
             length % tile == 0 for length in (self.q_len, self.kv_len) for tile in (cfg.block_m, cfg.block_n))
         return dict(
@@ -299,12 +310,13 @@ def attention_forward(q, k, v, inputs: KernelInputs) -> tuple[torch.Tensor, torc
     """``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    tables = inputs.tables_of("kv")
+    tensor_strides = (*strides(q), *strides(k), *strides(v), *strides(o))
 
     def launch(cfg: configs.KernelConfig) -> None:
         grid = (triton.cdiv(inputs.q_len, cfg.block_m), inputs.batch * inputs.heads)
         _attn_fwd[grid](
-            q, k, v, o, lse, inputs.key_lengths, *inputs.tables_of("kv")[:4],
-            *strides(q), *strides(k), *strides(v), *strides(o), *inputs.tables_of("kv")[4:],
+            q, k, v, o, lse, inputs.key_lengths, *tables[:4], *tensor_strides, *tables[4:],
             inputs.heads, inputs.groups, inputs.q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **inputs.flags(cfg),

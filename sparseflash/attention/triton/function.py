@@ -18,11 +18,14 @@ class TritonAttentionFunction(torch.autograd.Function):
         o, lse = attention_forward(q, k, v, inputs)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.inputs = inputs
+        ctx.set_materialize_grads(False)  # an unused lse gets dlse None, not a zero-filled tensor
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
+        if do is None:  # only lse was used
+            do = torch.zeros_like(o)
         dq, dk, dv = attention_backward(q, k, v, o, lse, do, dlse, ctx.inputs)
         return dq, dk, dv, None, None, None
 
