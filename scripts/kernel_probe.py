@@ -76,10 +76,9 @@ def profile_kernels(step, label: str) -> None:
     print(f"  {label:7} {total:9.1f} us  total")
 
 
-def sweep(q, k, v, mask, flex_mask, kernels, only=None) -> None:
-    """Time every SWEEP_GRID config (or the ``only`` list of (block_m, block_n, warps, stages)) of
-    each of ``kernels`` that one fwd+bwd call launches; profile FlexAttention's call too unless
-    ``flex_mask`` is None."""
+def captured_launches(step) -> dict:
+    """Run ``step`` (sparseflash calls) and return, per kernel it launched, the config key and the
+    launch closure (a function of the tile config), to launch that kernel again on its own."""
     captured = {}
     tuned = configs.run_tuned
 
@@ -87,13 +86,21 @@ def sweep(q, k, v, mask, flex_mask, kernels, only=None) -> None:
         captured[kernel] = (key, launch)
         return tuned(kernel, key, launch)
 
-    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-    do = torch.randn_like(q)
     configs.run_tuned = capture
     try:
-        sparseflash.attention(*leaves, mask, backend="triton").backward(do)
+        step()
     finally:
         configs.run_tuned = tuned
+    return captured
+
+
+def sweep(q, k, v, mask, flex_mask, kernels, only=None) -> None:
+    """Time every SWEEP_GRID config (or the ``only`` list of (block_m, block_n, warps, stages)) of
+    each of ``kernels`` that one fwd+bwd call launches; profile FlexAttention's call too unless
+    ``flex_mask`` is None."""
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    do = torch.randn_like(q)
+    captured = captured_launches(lambda: sparseflash.attention(*leaves, mask, backend="triton").backward(do))
     for kernel, (key, launch) in captured.items():
         if kernel not in kernels:
             continue
