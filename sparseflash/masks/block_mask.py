@@ -144,6 +144,8 @@ class BlockMask:
         self.layout = (layout & visible).contiguous()
         self._visible_tiles, self._partial_tiles = visible, partial
         self._tables: dict[str, BlockTables] = {}
+        # What a backend derives from this mask and keeps while the mask lives, under its own key.
+        self.derived: dict[str, dict] = {}
 
     # ------------------------------------------------------------------ geometry
     @property

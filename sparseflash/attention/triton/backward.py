@@ -31,7 +31,8 @@ import triton.language as tl
 
 from sparseflash.attention.triton import configs
 from sparseflash.attention.triton.forward import (KernelInputs, key_tile_scores, listed_block, mma, row_tile_ranges,
-                                                  strides, tile_start)
+                                                  tile_start)
+from sparseflash.attention.triton.launch import Launcher
 
 
 @triton.jit(do_not_specialize=["q_len"])
@@ -339,35 +340,35 @@ PREPROCESS_BLOCK_M = 64
 # that each kind gets its own warps (H100, head_dim 64: dK/dV wants 8 warps, dQ 4, and one launch
 # made the dense fwd+bwd rows 9-22% slower; docs/kernel_notes.md, versions 9-11).
 FUSED_FROM_HEAD_DIM = 128
+PREPROCESS = Launcher(_bwd_preprocess)
+BACKWARD = Launcher(_attn_bwd)
 
 
-def attention_backward(q, k, v, o, lse, do, dlse, inputs: KernelInputs):
-    """``dq, dk, dv`` (dtypes and shapes of q, k, v) for the gradients ``do`` of o and ``dlse`` of lse."""
+def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, inputs: KernelInputs):
+    """``dq, dk, dv`` (dtypes and shapes of q, k, v) for the gradients ``do`` of o and ``dlse`` of
+    lse (or None); ``key_lengths`` as ``inputs.key_lengths_arg`` gives it."""
     batch, heads, q_len = inputs.batch, inputs.heads, inputs.q_len
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     has_dlse = dlse is not None
-    _bwd_preprocess[(triton.cdiv(q_len, PREPROCESS_BLOCK_M), batch * heads)](
-        o, do, lse, dlse.contiguous() if has_dlse else lse, delta, lse2, *strides(o), *strides(do),
-        heads, q_len, inputs.head_dim,
-        HAS_DLSE=has_dlse, BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM=inputs.padded_dim,
-    )
+    PREPROCESS((triton.cdiv(q_len, PREPROCESS_BLOCK_M), batch * heads),
+               (o, do, lse, dlse.contiguous() if has_dlse else lse, delta, lse2),
+               (*o.stride(), *do.stride(), heads, q_len, inputs.head_dim),
+               dict(HAS_DLSE=has_dlse, BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM=inputs.padded_dim))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    cols, rows = inputs.tables_of("q"), inputs.tables_of("kv")
-    tensor_strides = (*strides(q), *strides(k), *strides(v), *strides(do), *strides(dq), *strides(dk))
+    (cols, col_strides), (rows, row_strides) = inputs.tables_of("q"), inputs.tables_of("kv")
+    tensors = (q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, *cols, *rows)
+    scalars = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *col_strides,
+               *row_strides, heads, inputs.groups, q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale,
+               inputs.scale)
 
     def launcher(programs: int):
         def launch(cfg: configs.KernelConfig) -> None:
             key_tiles = triton.cdiv(inputs.kv_len, cfg.block_m)
             query_tiles = inputs.groups * triton.cdiv(q_len, cfg.block_m)
             grid = ((key_tiles + query_tiles, key_tiles, query_tiles)[programs], batch * inputs.kv_heads)
-            _attn_bwd[grid](
-                q, k, v, do, lse2, delta, dq, dk, dv, inputs.key_lengths, *cols[:4], *rows[:4], *tensor_strides,
-                *cols[4:], *rows[4:], inputs.heads, inputs.groups, q_len, inputs.kv_len, inputs.head_dim,
-                inputs.qk_scale, inputs.scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, PROGRAMS=programs, **inputs.flags(cfg),
-            )
+            BACKWARD(grid, tensors, scalars, inputs.constexprs(cfg, PROGRAMS=programs))
         return launch
 
     if inputs.padded_dim >= FUSED_FROM_HEAD_DIM:

@@ -10,14 +10,16 @@ from sparseflash.masks import BlockMask
 
 
 class TritonAttentionFunction(torch.autograd.Function):
-    """Saves only ``q, k, v, o, lse`` (and the mask, key_lengths, scale as attributes)."""
+    """Saves only ``q, k, v, o, lse`` (and key_lengths and the launch inputs, which hold the mask's
+    tables, as attributes)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask: BlockMask, key_lengths, scale: float):
-        inputs = KernelInputs(q, k, mask, key_lengths, scale)
-        o, lse = attention_forward(q, k, v, inputs)
+        inputs = KernelInputs.of(q, k, mask, key_lengths is not None, scale)
+        key_lengths = inputs.key_lengths_arg(key_lengths)
+        o, lse = attention_forward(q, k, v, key_lengths, inputs)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.inputs = inputs
+        ctx.inputs, ctx.key_lengths = inputs, key_lengths
         ctx.set_materialize_grads(False)  # an unused lse gets dlse None, not a zero-filled tensor
         return o, lse
 
@@ -26,7 +28,7 @@ class TritonAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         if do is None:  # only lse was used
             do = torch.zeros_like(o)
-        dq, dk, dv = attention_backward(q, k, v, o, lse, do, dlse, ctx.inputs)
+        dq, dk, dv = attention_backward(q, k, v, o, lse, do, dlse, ctx.key_lengths, ctx.inputs)
         return dq, dk, dv, None, None, None
 
 
