@@ -53,7 +53,8 @@ def compile_variant(spec: str):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-            if name == "head_dim" or (name.startswith("stride_") and not re.search("num|idx|col|row", name)):
+            if name in ("head_dim", "stats_stride") or (name.startswith("stride_")
+                                                         and not re.search("num|idx|col|row", name)):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=fn, signature=signature, attrs=attrs,
                        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})

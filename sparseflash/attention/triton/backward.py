@@ -12,7 +12,7 @@ The scores are recomputed from q, k and lse (p = exp2(s * scale * log2 e - lse *
 stored.
 - preprocess, one program per query tile: delta = rowsum(o * do) (- dlse), and lse2 = lse * log2 e,
   the base-2 lse the loops subtract; rows that saw no key (lse = -inf) get lse2 = +inf, so that
-  their p is 0.
+  their p is 0. Both are (B * H, stats_stride) with stats_stride = q_len rounded up to 16.
 - _attn_bwd: two kinds of program in each row of the grid (one row per batch and key/value head),
   so the dQ programs of a head run next to its dK/dV programs and share K, V, Q and dO in L2; under
   head_dim 128 they go in two launches instead (FUSED_FROM_HEAD_DIM):
@@ -37,7 +37,7 @@ from sparseflash.attention.triton.launch import Launcher
 
 @triton.jit(do_not_specialize=["q_len"])
 def _bwd_preprocess(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_oh, stride_om, stride_od,
-                    stride_dob, stride_doh, stride_dom, stride_dod, heads, q_len, head_dim,
+                    stride_dob, stride_doh, stride_dom, stride_dod, heads, q_len, stats_stride, head_dim,
                     HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     bh = tl.program_id(1)
     b = bh // heads
@@ -52,9 +52,9 @@ def _bwd_preprocess(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_oh, stride_
     delta = tl.sum(o * do, 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + bh * q_len + offs_m, mask=offs_m < q_len, other=0.0)
-    tl.store(DELTA + bh * q_len + offs_m, delta, mask=offs_m < q_len)
+    tl.store(DELTA + bh * stats_stride + offs_m, delta, mask=offs_m < q_len)
     lse = tl.load(LSE + bh * q_len + offs_m, mask=offs_m < q_len, other=0.0)
-    tl.store(LSE2 + bh * q_len + offs_m, tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634,
+    tl.store(LSE2 + bh * stats_stride + offs_m, tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634,
              mask=offs_m < q_len)
 
 
@@ -139,7 +139,7 @@ def _dkdv_program(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_num_h, stride_num_n, stride_idx_h, stride_idx_n,
-    key_tile, b, hk, heads, groups, q_len, kv_len, head_dim, qk_scale, scale,
+    key_tile, b, hk, heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
@@ -170,7 +170,7 @@ def _dkdv_program(
         h = hk * groups + g
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
-        row_off = (b * heads + h) * q_len
+        row_off = (b * heads + h) * stats_stride
         full_idx, full_lo, full_hi, part_idx, part_lo, part_hi = _col_tile_ranges(
             FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, start_n, n_q_tiles,
             stride_num_h, stride_num_n, stride_idx_h, stride_idx_n,
@@ -226,7 +226,7 @@ def _dq_program(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
-    query_tile, b, h, heads, groups, q_len, kv_len, head_dim, qk_scale, scale,
+    query_tile, b, h, heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
@@ -246,7 +246,7 @@ def _dq_program(
                 mask=rows_in, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                  mask=rows_in, other=0.0)
-    lse, delta = _load_row_stats(LSE2, DELTA, bh * q_len, offs_m, q_len, True)
+    lse, delta = _load_row_stats(LSE2, DELTA, bh * stats_stride, offs_m, q_len, True)
     k_base = K + b * stride_kb + (h // groups) * stride_kh
     v_base = V + b * stride_vb + (h // groups) * stride_vh
     kv_bound = kv_len
@@ -287,7 +287,7 @@ def _attn_bwd(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_col_num_h, stride_col_num_n, stride_col_idx_h, stride_col_idx_n,
     stride_row_num_h, stride_row_num_m, stride_row_idx_h, stride_row_idx_m,
-    heads, groups, q_len, kv_len, head_dim, qk_scale, scale,
+    heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
@@ -312,7 +312,7 @@ def _attn_bwd(
             stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
             stride_dkb, stride_dkh, stride_dkn, stride_dkd,
             stride_col_num_h, stride_col_num_n, stride_col_idx_h, stride_col_idx_n,
-            tile, b, hk, heads, groups, q_len, kv_len, head_dim, qk_scale, scale,
+            tile, b, hk, heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_N, BLOCK_M, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
             HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS)
     else:
@@ -329,7 +329,7 @@ def _attn_bwd(
             stride_dqb, stride_dqh, stride_dqm, stride_dqd,
             stride_row_num_h, stride_row_num_m, stride_row_idx_h, stride_row_idx_m,
             query_tile, b, hk * groups + tile // n_q_tiles, heads, groups, q_len, kv_len, head_dim,
-            qk_scale, scale,
+            qk_scale, scale, stats_stride,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
             HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS)
 
@@ -348,11 +348,14 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, inp
     """``dq, dk, dv`` (dtypes and shapes of q, k, v) for the gradients ``do`` of o and ``dlse`` of
     lse (or None); ``key_lengths`` as ``inputs.key_lengths_arg`` gives it."""
     batch, heads, q_len = inputs.batch, inputs.heads, inputs.q_len
-    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    # Rows of delta and lse2 start 64-byte aligned, so that the dK/dV loops' loads of a tile's
+    # values vectorise (with rows at q_len, 4-byte copies: twice Flex's copy instructions per tile).
+    stats_stride = triton.cdiv(q_len, 16) * 16
+    delta, lse2 = torch.empty((2, batch * heads, stats_stride), dtype=torch.float32, device=q.device)
     has_dlse = dlse is not None
     PREPROCESS((triton.cdiv(q_len, PREPROCESS_BLOCK_M), batch * heads),
                (o, do, lse, dlse.contiguous() if has_dlse else lse, delta, lse2),
-               (*o.stride(), *do.stride(), heads, q_len, inputs.head_dim),
+               (*o.stride(), *do.stride(), heads, q_len, stats_stride, inputs.head_dim),
                dict(HAS_DLSE=has_dlse, BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM=inputs.padded_dim))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -361,7 +364,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, inp
     tensors = (q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, *cols, *rows)
     scalars = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *col_strides,
                *row_strides, heads, inputs.groups, q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale,
-               inputs.scale)
+               inputs.scale, stats_stride)
 
     def launcher(programs: int):
         def launch(cfg: configs.KernelConfig) -> None:
