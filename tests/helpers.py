@@ -28,8 +28,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, name:
 
 
 def attention_with_grads(backend, q, k, v, mask, do, key_lengths=None):
-    """``(o, lse, dq, dk, dv)`` of ``attention`` through ``backend`` for the loss ``sum(o * do)``."""
-    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    """``(o, lse, dq, dk, dv)`` of ``attention`` through ``backend`` for the loss ``sum(o * do)``;
+    q, k, v keep their layout (strides, storage offset)."""
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
     o, lse = sparseflash.attention(q, k, v, mask, key_lengths=key_lengths, backend=backend, return_lse=True)
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
     return o, lse, dq, dk, dv

@@ -195,6 +195,27 @@ def test_gpu_padded_head_dims(pattern, dim):
 
 
 @pytest.mark.gpu
+def test_gpu_relaunch_across_layouts():
+    """``Launcher`` reuses a compiled kernel only for the specialisation it was compiled for: one
+    mask and shape called with contiguous, strided and misaligned (offset by one element) inputs in
+    turn, then contiguous again, each against the reference (forward and gradients)."""
+    mask = make("butterfly", 1000, block=128)
+    base = torch.randn(2, 1000, 4, 3 * 64 + 1, dtype=torch.bfloat16, device="cuda")
+    layouts = {
+        "contiguous": tuple(x.contiguous() for x in _inputs(2, 4, 4, 1000, 1000, 64, torch.bfloat16, "cuda")[:3]),
+        "strided": tuple(base[..., i * 64:(i + 1) * 64].transpose(1, 2) for i in range(3)),
+        "misaligned": tuple(base[..., 1 + i * 64:1 + (i + 1) * 64].transpose(1, 2) for i in range(3)),
+    }
+    assert layouts["misaligned"][0].data_ptr() % 16 != 0
+    do = torch.randn(2, 4, 1000, 64, dtype=torch.bfloat16, device="cuda")
+    for layout in ("contiguous", "strided", "misaligned", "contiguous"):
+        q, k, v = layouts[layout]
+        for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), attention_with_grads("triton", q, k, v, mask, do),
+                              attention_with_grads("reference", q, k, v, mask, do)):
+            assert_close(a, b, TOL[torch.bfloat16], f"{layout} {name}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("seq_len", [4096, 16384], ids=["s4096", "s16384"])
 @pytest.mark.parametrize("pattern", list(GPU_PATTERNS))
 def test_gpu_matches_flex(pattern, seq_len):
