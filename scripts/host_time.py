@@ -21,7 +21,7 @@ import time
 import torch
 import triton
 import triton.language as tl
-from kernel_probe import PATTERNS, captured_launches  # scripts/ is on the path when this file runs
+from kernel_probe import PATTERNS, captured_launches, kernel_times  # scripts/ is on the path when run
 from triton.testing import do_bench
 
 import sparseflash
@@ -43,25 +43,6 @@ def host_ms(step, calls: int = 10, rounds: int = 40) -> float:
         per_call.append((time.perf_counter() - start) / calls * 1e3)
     torch.cuda.synchronize()
     return statistics.median(per_call)
-
-
-def gpu_ms(step, calls: int = 10) -> tuple[float, list[str]]:
-    """Kernel time per call (torch.profiler) and one line per kernel."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-    lines, total = [], 0.0
-    for event in prof.key_averages():
-        us = event.device_time_total / calls
-        if us > 0:
-            total += us
-            lines.append(f"{us:8.1f} us x{event.count / calls:g} {event.key[:80]}")
-    return total / 1e3, lines
 
 
 @triton.jit
@@ -117,11 +98,12 @@ def attention_calls(dim: int, pattern: str, profile: bool, seq: int = 1024) -> N
 
     for name, fn in peers.items():
         for mode, step in (("fwd", forward_only(fn)), ("fwdbwd", fwd_bwd(fn))):
-            gpu, kernels = gpu_ms(step)
+            kernels = kernel_times(step, calls=10)
+            gpu = sum(us for us, _, _ in kernels) / 1e3
             bench = do_bench(step, warmup=25, rep=300, return_mode="median", grad_to_none=leaves)
             print(f"D={dim} {pattern:9} {mode:6} {name}: host {host_ms(step):.4f} gpu {gpu:.4f} bench {bench:.4f} ms")
-            for line in kernels:
-                print("    ", line)
+            for us, launches, kernel in kernels:
+                print(f"     {us:8.1f} us x{launches:g} {kernel[:80]}")
     for kernel, (key, launch) in captured_launches(fwd_bwd(peers["ours"])).items():
         cfg = configs._chosen[kernel, key]
         print(f"D={dim} {pattern:9} launch closure {kernel} {cfg}: host {host_ms(lambda: launch(cfg)):.4f} ms")

@@ -57,23 +57,27 @@ SWEEP_GRID = {  # (block_m held, block_n streamed, warps, stages) ranges per ker
 }
 
 
-def profile_kernels(step, label: str) -> None:
-    """CUDA time per kernel of one call of ``step``, averaged over 5 calls."""
+def kernel_times(step, calls: int = 5) -> list[tuple[float, float, str]]:
+    """``(us, launches, name)`` per CUDA kernel of one call of ``step``, averaged over ``calls``
+    calls after one warm-up call (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(calls):
             step()
         torch.cuda.synchronize()
-    total = 0.0
-    for event in prof.key_averages():
-        us = event.device_time_total / 5
-        if us > 0.5:
-            total += us
-            print(f"  {label:7} {us:9.1f} us  x{event.count // 5}  {event.key[:90]}")
-    print(f"  {label:7} {total:9.1f} us  total")
+    return [(event.device_time_total / calls, event.count / calls, event.key)
+            for event in prof.key_averages() if event.device_time_total > 0]
+
+
+def profile_kernels(step, label: str) -> None:
+    """CUDA time per kernel of one call of ``step``, and their total."""
+    kernels = [row for row in kernel_times(step) if row[0] > 0.5]
+    for us, launches, name in kernels:
+        print(f"  {label:7} {us:9.1f} us  x{launches:g}  {name[:90]}")
+    print(f"  {label:7} {sum(us for us, _, _ in kernels):9.1f} us  total")
 
 
 def captured_launches(step) -> dict:
