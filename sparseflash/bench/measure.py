@@ -1,8 +1,9 @@
 """Measuring one case: the timed step of a mode, the timers, peak memory and the correctness gate.
 
 Timers return milliseconds. On CUDA, ``triton.testing.do_bench`` (L2 flushed between calls, the
-gradients reset with ``grad_to_none``); a step slower than ``timing.slow_ms`` is timed instead with
-``min_repeats`` CUDA-event-timed calls, so one slow case cannot eat the sweep. On CPU, a wall clock
+gradients reset with ``grad_to_none``), the backends of a case taking turns in rounds; a step slower
+than ``timing.slow_ms`` is timed instead with ``min_repeats`` CUDA-event-timed calls, so one slow
+case cannot eat the sweep. On CPU, a wall clock
 over repeats after a warm-up call. Peak memory is ``torch.cuda.max_memory_allocated`` over one warm
 call (inputs included); on CPU it is not measured (NaN).
 """
@@ -18,6 +19,7 @@ import torch
 
 from sparseflash.bench.spec import Timing
 from sparseflash.masks import BlockMask
+from sparseflash.timing import interleaved_times
 
 Step = Callable[[], object]
 
@@ -74,21 +76,6 @@ def _stats(times: list[float], timing: Timing) -> dict:
             "p80_ms": _quantile(times, hi), "repeats": len(times)}
 
 
-def _do_bench(step: Step, timing: Timing, grads: list[torch.Tensor], stats: Callable) -> dict:
-    """triton's do_bench: ``return_mode="all"`` (triton >= 3.2 has it; 3.6 and 3.9 do) gives every
-    time; older ones give the quantiles asked for."""
-    from triton.testing import do_bench
-
-    kwargs = dict(warmup=timing.warmup_ms, rep=timing.rep_ms, grad_to_none=grads or None)
-    try:
-        times = do_bench(step, return_mode="all", **kwargs)
-    except (AssertionError, TypeError, ValueError):
-        lo, hi = timing.quantiles
-        med, p_lo, p_hi = do_bench(step, quantiles=[0.5, lo, hi], **kwargs)
-        return {"median_ms": med, "p20_ms": p_lo, "p80_ms": p_hi, "repeats": math.nan}
-    return stats(list(times))
-
-
 def _events(step: Step, n: int, grads: list[torch.Tensor]) -> list[float]:
     times = []
     for _ in range(n):
@@ -103,21 +90,8 @@ def _events(step: Step, n: int, grads: list[torch.Tensor]) -> list[float]:
     return times
 
 
-def time_step(step: Step, device: torch.device, timing: Timing, grads: list[torch.Tensor]) -> dict:
-    """Median, spread and repeats of ``step``, plus ``peak_mem_mb`` (CUDA) of one warm call."""
-    for g in grads:
-        g.grad = None
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        _, warm = wall_ms(step, device)
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
-        if warm > timing.slow_ms:
-            out = _stats(_events(step, timing.min_repeats, grads), timing)
-        else:
-            out = _do_bench(step, timing, grads, lambda t: _stats(t, timing))
-        return {**out, "peak_mem_mb": peak}
-    # CPU: a warm-up (at least one call), then as many repeats as fit in rep_ms
+def _wall_times(step: Step, device: torch.device, timing: Timing, grads: list[torch.Tensor]) -> list[float]:
+    """CPU: a warm-up (at least one call), then as many repeats as fit in rep_ms."""
     _, warm = wall_ms(step, device)
     spent = warm
     while spent < timing.warmup_ms:
@@ -129,7 +103,50 @@ def time_step(step: Step, device: torch.device, timing: Timing, grads: list[torc
         for g in grads:
             g.grad = None
         times.append(wall_ms(step, device)[1])
-    return {**_stats(times, timing), "peak_mem_mb": math.nan}
+    return times
+
+
+def _warm_call(step: Step, device: torch.device, grads: list[torch.Tensor]) -> tuple[float, float]:
+    """Milliseconds and peak memory (MB, inputs included) of one CUDA call."""
+    for g in grads:
+        g.grad = None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    _, ms = wall_ms(step, device)
+    return ms, torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def _attempt(fn: Callable[[], object]) -> object:
+    """``fn()``, or the exception it raised."""
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - the caller records it
+        return err
+
+
+def time_steps(steps: list[Step], device: torch.device, timing: Timing,
+               grads: list[torch.Tensor]) -> list[dict | BaseException]:
+    """Median, spread and repeats of each of ``steps`` (the backends of one case and mode, sharing
+    the leaves ``grads``) and ``peak_mem_mb`` of one warm call (CUDA); or the exception a step
+    raised. On CUDA the steps take turns, ``timing.rounds`` rounds of ``rep_ms / rounds`` each
+    (``sparseflash.timing``), so that the GPU's clock drift does not favour one of them; a step
+    slower than ``slow_ms`` gets ``min_repeats`` plain timed calls of its own."""
+    if device.type != "cuda":
+        times = [_attempt(lambda s=s: _wall_times(s, device, timing, grads)) for s in steps]
+        peaks = [math.nan] * len(steps)
+    else:
+        warm = [_attempt(lambda s=s: _warm_call(s, device, grads)) for s in steps]
+        times = [w if isinstance(w, BaseException) else
+                 _attempt(lambda s=s: _events(s, timing.min_repeats, grads)) if w[0] > timing.slow_ms else None
+                 for s, w in zip(steps, warm)]
+        turns = [i for i, t in enumerate(times) if t is None]
+        taken = interleaved_times([steps[i] for i in turns], timing.rounds, timing.rep_ms / timing.rounds,
+                                  timing.warmup_ms, grads or None, catch=(Exception,))
+        for i, t in zip(turns, taken):
+            times[i] = t
+        peaks = [math.nan if isinstance(w, BaseException) else w[1] for w in warm]
+    return [t if isinstance(t, BaseException) else {**_stats(t, timing), "peak_mem_mb": peak}
+            for t, peak in zip(times, peaks)]
 
 
 # ---------------------------------------------------------------------------- correctness gate

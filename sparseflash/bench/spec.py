@@ -107,10 +107,15 @@ def parse_patterns(entries: Any, defaults: Mapping[str, Mapping] | None = None) 
 class Timing:
     warmup_ms: float = 25.0  # do_bench warm-up time (CUDA); CPU: at least one warm-up call
     rep_ms: float = 100.0  # time spent on repeats per case
+    rounds: int = 3  # CUDA: the backends of a case take turns, rep_ms / rounds each per round
     min_repeats: int = 3
     max_repeats: int = 1000
     slow_ms: float = 1000.0  # a warm call slower than this is timed with min_repeats plain calls
     quantiles: tuple[float, float] = (0.2, 0.8)  # the spread reported beside the median
+
+    def __post_init__(self):
+        if int(self.rounds) < 1:
+            raise ValueError(f"timing.rounds must be at least 1; got {self.rounds}")
 
 
 @dataclass

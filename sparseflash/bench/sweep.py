@@ -3,7 +3,8 @@
 A row's ``status`` is ``ok`` (timed), ``skipped`` (cannot run here: a peer without that mask,
 CUDA-only on CPU, out of memory; ``reason`` says which), ``wrong`` (failed the correctness gate:
 not timed, ``reason`` holds the error) or ``error`` (an unexpected exception, recorded, the sweep
-goes on). Derived columns (``speedup_vs_dense``, ``speedup_vs_<peer>``) are filled by ``derive``.
+goes on). The backends of one case and mode are prepared one after another (first call, gate),
+then timed together, taking turns (``measure.time_steps``). Derived columns (``speedup_vs_dense``, ``speedup_vs_<peer>``) are filled by ``derive``.
 """
 
 from __future__ import annotations
@@ -79,15 +80,15 @@ class _Trusted:
             return None
 
 
-def measure_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: BlockMask,
-                cfg: BenchConfig, ctx: Context, trusted: _Trusted) -> None:
-    """Fill ``row`` for one backend on one case (status, timings, check)."""
+def prepare_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: BlockMask,
+                cfg: BenchConfig, ctx: Context, trusted: _Trusted) -> Optional[measure.Step]:
+    """Build one backend on one case, run its first call and the correctness gate; return the step
+    to time, or None with ``row``'s status and reason saying why it is not timed."""
     backend = REGISTRY[backend_name]
     reason = backend.skip_reason(q, mask, ctx)
     if reason:
         row.update(status="skipped", reason=reason)
-        return
-    grads = [q, k, v] if mode != "fwd" else []
+        return None
     kernel_configs = None
     if row["impl"] == "triton":  # record the tuned tile configs this row runs with
         from sparseflash.attention.triton import configs as kernel_configs
@@ -107,25 +108,45 @@ def measure_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: Bloc
                 row["check_err"], message = measure.compare(o, dgrads, expected, tol)
                 if message:
                     row.update(status="wrong", reason=f"{message} against {against}")
-                    return
+                    return None
             else:
                 row["reason"] = "unchecked: no trusted backend fits this case"
         del o, dgrads
-        stats = measure.time_step(measure.make_step(fwd, mode, q, k, v, do), ctx.device, cfg.timing, grads)
-        row.update(stats, status="ok")
-        row["tflops"] = row["flops"] / (row["median_ms"] * 1e-3) / 1e12
+        return measure.make_step(fwd, mode, q, k, v, do)
     except UNSUPPORTED as err:
         row.update(status="skipped", reason=str(err))
     except Exception as err:  # noqa: BLE001 - record and go on
-        if _is_oom(err):
-            row.update(status="skipped", reason=f"out of memory ({_first_line(err, 160)})")
-        else:
-            row.update(status="error", reason=_first_line(err))
+        _record_failure(row, err)
     finally:
-        for x in grads:
+        for x in q, k, v:
             x.grad = None
-        if row.get("status") != "ok":
+        if row.get("status"):
             _free(ctx.device)
+    return None
+
+
+def _record_failure(row: dict, err: BaseException) -> None:
+    if _is_oom(err):
+        row.update(status="skipped", reason=f"out of memory ({_first_line(err, 160)})")
+    else:
+        row.update(status="error", reason=_first_line(err))
+
+
+def time_prepared(rows: list[dict], steps: list[measure.Step], mode: str, q, k, v, cfg: BenchConfig,
+                  ctx: Context) -> None:
+    """Time the prepared backends of one case and mode together (``measure.time_steps``) and fill
+    their rows."""
+    grads = [q, k, v] if mode != "fwd" else []
+    for row, result in zip(rows, measure.time_steps(steps, ctx.device, cfg.timing, grads)):
+        if isinstance(result, BaseException):
+            _record_failure(row, result)
+            continue
+        row.update(result, status="ok")
+        row["tflops"] = row["flops"] / (row["median_ms"] * 1e-3) / 1e12
+    for x in grads:
+        x.grad = None
+    if any(row["status"] != "ok" for row in rows):
+        _free(ctx.device)
 
 
 def _inputs(batch, heads, seq_len, head_dim, dtype, device, seed):
@@ -163,6 +184,7 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
                     density, kind = mask.density, mask.kind.value
                     trusted = None if input_error else _Trusted(cfg, ctx, q, k, v, do, mask)
                     for mode in cfg.modes:
+                        case_rows, prepared = [], []
                         for backend in cfg.backends:
                             row = {
                                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "mode": mode,
@@ -181,7 +203,14 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
                             if input_error:
                                 row.update(status="skipped", reason=input_error)
                             else:
-                                measure_one(row, backend, mode, q, k, v, do, mask, cfg, ctx, trusted)
+                                step = prepare_one(row, backend, mode, q, k, v, do, mask, cfg, ctx, trusted)
+                                if step is not None:
+                                    prepared.append((row, step))
+                            case_rows.append(row)
+                        if prepared:
+                            time_prepared([row for row, _ in prepared], [step for _, step in prepared], mode,
+                                          q, k, v, cfg, ctx)
+                        for row in case_rows:
                             row.update(env)
                             rows.append(row)
                             on_row(row)

@@ -102,17 +102,18 @@ def _out_of_resources():
 
 
 def _scripted_bench(monkeypatch, script):
-    """Replace do_bench: the n-th timing of a config returns ``script[config][n - 1]`` (an exception
-    is raised). Returns the launch function to tune with and the timings counted per config."""
+    """Replace do_bench: the n-th timing of a config returns ``script[config][n - 1]`` (its calls'
+    times; an exception is raised). Returns the launch function to tune with and the configs in
+    the order they were timed."""
     import triton.testing
 
-    launched, timed = [], {}
+    launched, timed = [], []
 
     def bench(fn, **kwargs):
         fn()
         cfg = launched[-1]
-        timed[cfg] = timed.get(cfg, 0) + 1
-        result = script[cfg][timed[cfg] - 1]
+        timed.append(cfg)
+        result = script[cfg][timed.count(cfg) - 1]
         if isinstance(result, Exception):
             raise result
         return result
@@ -121,12 +122,26 @@ def _scripted_bench(monkeypatch, script):
     return launched.append, timed
 
 
-def test_tune_takes_each_configs_best_round(monkeypatch):
-    a, b, c = (configs.KernelConfig(m, 64, 4, 2) for m in (32, 64, 128))
-    # a's first timing hit a transient slowdown; c never fits (timed once, then skipped)
-    launch, timed = _scripted_bench(monkeypatch, {a: [9.0, 3.0], b: [5.0, 4.0], c: [_out_of_resources()]})
-    assert configs._tune(launch, [a, b, c]) == a
-    assert timed == {a: 2, b: 2, c: 1} and configs.TUNING_ROUNDS == 2
+def test_tune_drops_slow_and_unfitting_configs_then_takes_turns(monkeypatch):
+    a, b, c, d = (configs.KernelConfig(m, 64, 4, 2) for m in (16, 32, 64, 128))
+    # first round: c does not fit, d is over SLOWER_THAN_BEST x the fastest (a); then a and b take
+    # turns for TUNING_ROUNDS rounds, and b's median is the lower one although a led the first round
+    launch, timed = _scripted_bench(monkeypatch, {
+        a: [[3.0], [3.4, 3.4], [3.3], [3.4], [3.5]],
+        b: [[3.3], [3.2], [3.2, 3.1], [3.2], [3.3]],
+        c: [_out_of_resources()],
+        d: [[9.0]],
+    })
+    assert configs._tune(launch, [a, b, c, d]) == b
+    assert configs.TUNING_ROUNDS == 4
+    assert timed == [a, b, c, d] + [a, b, b, a, a, b, b, a]
+
+
+def test_tune_keeps_a_lone_survivor_without_more_rounds(monkeypatch):
+    a, b = configs.KernelConfig(64, 64, 4, 2), configs.KernelConfig(128, 64, 8, 3)
+    launch, timed = _scripted_bench(monkeypatch, {a: [[2.0, 2.1]], b: [[5.0]]})
+    assert configs._tune(launch, [a, b]) == a
+    assert timed == [a, b]
 
 
 def test_tune_says_when_no_config_fits(monkeypatch):

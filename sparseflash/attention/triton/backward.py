@@ -183,11 +183,12 @@ def _dkdv_program(
                              offs_n, offs_d, q_len, head_dim, qk_scale,
                              WALK_TABLES, False, FULL_ROWS_BOUNDED, BLOCK_M, SPARSE_BLOCK_M, D_PADDED,
                              DOT_PRECISION, WIDEN_DOTS)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
-                             stride_qm, stride_qd, stride_dom, stride_dod, part_lo, part_hi, part_idx,
-                             offs_n, offs_d, q_len, head_dim, qk_scale,
-                             WALK_TABLES, IS_CAUSAL, not EVEN_LENGTHS, BLOCK_M, SPARSE_BLOCK_M, D_PADDED,
-                             DOT_PRECISION, WIDEN_DOTS)
+        if part_hi > part_lo:
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
+                                 stride_qm, stride_qd, stride_dom, stride_dod, part_lo, part_hi, part_idx,
+                                 offs_n, offs_d, q_len, head_dim, qk_scale,
+                                 WALK_TABLES, IS_CAUSAL, not EVEN_LENGTHS, BLOCK_M, SPARSE_BLOCK_M, D_PADDED,
+                                 DOT_PRECISION, WIDEN_DOTS)
     visible = offs_n[:, None] < kv_bound  # masked keys get exactly zero gradient
     dk = tl.where(visible, dk * scale, 0.0)
     dv = tl.where(visible, dv, 0.0)
@@ -264,10 +265,11 @@ def _dq_program(
                    0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
                    WALK_TABLES, False, FULL_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
                    WIDEN_DOTS)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
-                   WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
-                   WIDEN_DOTS)
+    if part_hi > part_lo:
+        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
+                       WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
+                       WIDEN_DOTS)
     out = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=rows_in)
 

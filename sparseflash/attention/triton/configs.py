@@ -1,7 +1,7 @@
 """Tile sizes, warps and stages per (kernel, head_dim, dtype, mask kind, GPU): tuned and cached.
 
-On first use of a key, each candidate config is timed on the real inputs (median of
-``triton.testing.do_bench``) and the fastest kept, in memory and in
+On first use of a key, each candidate config is timed on the real inputs (``_tune``: medians of
+``triton.testing.do_bench`` calls, the candidates taking turns) and the fastest kept, in memory and in
 ``$SPARSEFLASH_CACHE_DIR/tuning.json`` (default ``~/.cache/sparseflash``), keyed by GPU name and
 Triton version. The key also holds two log2 buckets of the problem: the loop's trip count (mask
 blocks per query row) and the grid's size (batch x heads x query tiles), since short loops and
@@ -19,12 +19,15 @@ import functools
 import json
 import math
 import os
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 import triton
+
+from sparseflash.timing import interleaved_times
 
 
 @dataclass(frozen=True)
@@ -151,28 +154,29 @@ def _save_choice(name: str, cfg: KernelConfig) -> None:
         pass  # a read-only home only costs re-tuning in the next process
 
 
-TUNING_ROUNDS = 2  # each candidate is timed once per round, the rounds interleaved; the fastest round counts
+FIRST_ROUND_MS = 25  # one timing of every candidate (compiling it): the slow ones are dropped after it
+SLOWER_THAN_BEST = 1.2  # ... those whose median is this many times the fastest one's
+TUNING_ROUNDS = 4  # then the rest take turns, ROUND_MS each per round; the lowest median of their calls wins
+ROUND_MS = 25
 
 
 def _tune(launch: Callable[[KernelConfig], None], options: list[KernelConfig]) -> KernelConfig:
-    """The fastest of ``options``: each one's best median over TUNING_ROUNDS interleaved rounds, so
-    that a transient slowdown (the clocks, another process) during one timing does not decide."""
-    from triton.testing import do_bench
-
-    timings: dict[KernelConfig, float] = {}
-    for _ in range(TUNING_ROUNDS):
-        for cfg in options:
-            if timings.get(cfg) == float("inf"):
-                continue
-            try:
-                ms = do_bench(lambda: launch(cfg), warmup=25, rep=50, return_mode="median")
-            except triton.runtime.errors.OutOfResources:
-                ms = float("inf")  # e.g. more shared memory than the GPU has
-            timings[cfg] = min(timings.get(cfg, ms), ms)
-    fitting = {cfg: ms for cfg, ms in timings.items() if ms != float("inf")}
+    """The fastest of ``options``. The survivors of a first round are timed in interleaved rounds
+    (``sparseflash.timing``), so that the drift of the GPU's clocks over the seconds that tuning
+    takes does not decide between configs a few per cent apart."""
+    first = interleaved_times([functools.partial(launch, cfg) for cfg in options], 1, FIRST_ROUND_MS,
+                              FIRST_ROUND_MS, catch=(triton.runtime.errors.OutOfResources,))  # e.g. too much shared memory
+    fitting = {cfg: statistics.median(times) for cfg, times in zip(options, first) if isinstance(times, list)}
     if not fitting:
         raise RuntimeError(f"no kernel config fits this GPU; tried {options}")
-    return min(fitting, key=fitting.get)
+    fastest = min(fitting.values())
+    finalists = [cfg for cfg, ms in fitting.items() if ms <= SLOWER_THAN_BEST * fastest]
+    if len(finalists) == 1:
+        return finalists[0]
+    times = interleaved_times([functools.partial(launch, cfg) for cfg in finalists], TUNING_ROUNDS, ROUND_MS,
+                              ROUND_MS / 5)
+    medians = [statistics.median(t) for t in times]
+    return finalists[medians.index(min(medians))]
 
 
 def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], None]) -> KernelConfig:

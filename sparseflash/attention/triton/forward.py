@@ -234,11 +234,12 @@ def _attn_fwd(
         0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
         WALK_TABLES, False, FULL_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
         WIDEN_DOTS)
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
-        WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
-        WIDEN_DOTS)
+    if part_hi > part_lo:  # rows without partial blocks skip the masked run's set-up and drain
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
+            WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
+            WIDEN_DOTS)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
