@@ -4,7 +4,8 @@ A row's ``status`` is ``ok`` (timed), ``skipped`` (cannot run here: a peer witho
 CUDA-only on CPU, out of memory; ``reason`` says which), ``wrong`` (failed the correctness gate:
 not timed, ``reason`` holds the error) or ``error`` (an unexpected exception, recorded, the sweep
 goes on). The backends of one case and mode are prepared one after another (first call, gate),
-then timed together, taking turns (``measure.time_steps``). Derived columns (``speedup_vs_dense``, ``speedup_vs_<peer>``) are filled by ``derive``.
+then timed together, taking turns (``measure.time_steps``). Derived columns (``speedup_vs_dense``,
+``speedup_vs_<peer>``) are filled by ``derive``.
 """
 
 from __future__ import annotations
