@@ -3,16 +3,20 @@
     PYTHONPATH=. python scripts/kernel_probe.py [--dims 128 64] [--modes fwd fwdbwd]
     PYTHONPATH=. python scripts/kernel_probe.py --sweep --dims 128 --seqs 1024 --patterns dense random
 
-Prints one row per (head_dim, S, pattern, mode): median ms (triton.testing.do_bench) of
-sparseflash-triton, FlexAttention and SDPA, triton's TFLOP/s (density-weighted) and the ratios.
+Prints one row per (head_dim, S, pattern, mode): median ms (triton.testing.do_bench, the peers
+taking turns in rounds) of sparseflash-triton, FlexAttention and SDPA, triton's TFLOP/s
+(density-weighted) and the ratios.
 ``--sweep`` instead times every kernel (forward, and backward or dkdv and dq) of one fwd+bwd call over a wide grid of
-tile configs, next to the one the tuner chose, and prints a CUDA-kernel profile of the call for
+tile configs (taking turns), next to the one the tuner chose, and prints a CUDA-kernel profile of the call for
 sparseflash-triton and FlexAttention. A quick loop for kernel tuning; the benchmark harness
 (experiments/bench.py) is the record.
 """
 
 import argparse
+import contextlib
+import functools
 import itertools
+import statistics
 
 import torch
 from triton.testing import do_bench
@@ -21,6 +25,7 @@ import sparseflash
 from sparseflash.attention.baselines import Unsupported, flex_attention, sdpa_attention, to_flex_block_mask
 from sparseflash.attention.triton import configs
 from sparseflash.masks import make
+from sparseflash.timing import interleaved_times
 
 PATTERNS = {"dense": {}, "causal": {}, "butterfly": {}, "local": {"window": 2}, "random": {"density": 0.25}}
 
@@ -34,18 +39,24 @@ def ceilings() -> None:
     print(f"ceilings: bf16 matmul {2 * 8192**3 / ms / 1e9:.0f} TFLOP/s, copy {2 * 2**30 / copy_ms / 1e9:.2f} TB/s")
 
 
-def time_mode(fn, q, k, v, mode):
-    if mode == "fwd":
-        with torch.no_grad():
-            return do_bench(lambda: fn(q, k, v), return_mode="median", warmup=50, rep=200)
+def peer_medians(fns: dict, q, k, v, mode: str) -> dict[str, float]:
+    """Median ms of each peer's call (a function of q, k, v; None: not run) in ``mode``, the peers
+    taking turns (``sparseflash.timing``); NaN for a peer that cannot run the case."""
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
     do = torch.randn_like(q)
 
-    def step():
-        o = fn(*leaves)
-        o.backward(do)
+    def step_of(fn):
+        if mode == "fwd":
+            return lambda: fn(q, k, v)
+        return lambda: fn(*leaves).backward(do)
 
-    return do_bench(step, return_mode="median", warmup=50, rep=200, grad_to_none=leaves)
+    names = [name for name, fn in fns.items() if fn is not None]
+    with torch.no_grad() if mode == "fwd" else contextlib.nullcontext():
+        times = interleaved_times([step_of(fns[name]) for name in names], 3, 70, 20,
+                                  grad_to_none=leaves if mode != "fwd" else None, catch=(Unsupported,))
+    ms = {name: float("nan") for name in fns}
+    ms.update({name: statistics.median(t) for name, t in zip(names, times) if isinstance(t, list)})
+    return ms
 
 
 BACKWARD_SWEEP = ((64, 128), (32, 64), (4, 8), (2, 3))
@@ -109,16 +120,15 @@ def sweep(q, k, v, mask, flex_mask, kernels, only=None) -> None:
         if kernel not in kernels:
             continue
         chosen = configs._chosen[kernel, key]
+        options = list(dict.fromkeys(configs.fit(kernel, configs.KernelConfig(*row), key)
+                                     for row in only or itertools.product(*SWEEP_GRID[kernel])))
+        times = interleaved_times([functools.partial(launch, cfg) for cfg in options], 2, 50, 10,
+                                  catch=(Exception,))  # out of shared memory or registers
         timings = {}
-        for bm, bn, warps, stages in only or itertools.product(*SWEEP_GRID[kernel]):
-            cfg = configs.fit(kernel, configs.KernelConfig(bm, bn, warps, stages), key)
-            if cfg in timings:
-                continue
-            try:
-                timings[cfg] = do_bench(lambda: launch(cfg), warmup=10, rep=100, return_mode="median")
-            except Exception as err:  # out of shared memory or registers
-                timings[cfg] = float("nan")
-                print(f"  {kernel} {cfg}: {type(err).__name__}")
+        for cfg, t in zip(options, times):
+            if isinstance(t, BaseException):
+                print(f"  {kernel} {cfg}: {type(t).__name__}")
+            timings[cfg] = float("nan") if isinstance(t, BaseException) else statistics.median(t)
         ranked = sorted((t, c) for c, t in timings.items() if t == t)
         print(f"  {kernel}: tuned {chosen} {timings.get(chosen, float('nan')):.4f} ms; best "
               + ", ".join(f"({c.block_m},{c.block_n},{c.num_warps},{c.num_stages}) {t:.4f}" for t, c in ranked[:6]))
@@ -169,12 +179,7 @@ def main():
                     "sdpa": lambda q, k, v: sdpa_attention(q, k, v, mask),
                 }
                 for mode in args.modes:
-                    ms = {}
-                    for peer, fn in peers.items():
-                        try:
-                            ms[peer] = time_mode(fn, q, k, v, mode) if fn else float("nan")
-                        except Unsupported:
-                            ms[peer] = float("nan")
+                    ms = peer_medians(peers, q, k, v, mode)
                     flops = 4 * batch * heads * seq * seq * dim * mask.density * (1 if mode == "fwd" else 3.5)
                     print(f"| {dim} | {seq} | {name} | {mode} | {mask.density:.3f} | {ms['triton']:.3f} | "
                           f"{flops / ms['triton'] / 1e9:.0f} | {ms['flex']:.3f} | {ms['sdpa']:.3f} | "
