@@ -56,10 +56,14 @@ def listed_block(idx_ptr, t, t_hi, FROM_TABLE: tl.constexpr, BLOCK_N: tl.constex
     the tile's own addresses makes Triton's pipeliner copy it asynchronously too, and then wait
     for every copy in flight at each tile (``DEPBAR.LE SB0, 0x0``) instead of keeping
     num_stages - 1 tiles of K/V (or Q/dO) in flight; a read at the start of the tile lives across
-    its dots and made the dK/dV loop spill (kernel_notes.md, versions 15-16)."""
+    its dots and made the dK/dV loop spill (kernel_notes.md, versions 15-16).
+
+    Tile 0's read needs no bound: every table row holds an entry 0 (it is as wide as the other
+    side has blocks), so the read of a walk's first block (walks from tables start at 0) is issued
+    at once instead of after the load of the row's count."""
     if FROM_TABLE:
         tiles_per_block: tl.constexpr = SPARSE_BLOCK_N // BLOCK_N
-        return tl.load(idx_ptr + t // tiles_per_block, mask=t < t_hi, other=0)
+        return tl.load(idx_ptr + t // tiles_per_block, mask=(t < t_hi) | (t == 0), other=0)
     else:
         return 0
 
