@@ -103,30 +103,31 @@ def _out_of_resources():
 
 def _scripted_bench(monkeypatch, script):
     """Replace do_bench: the n-th timing of a config returns ``script[config][n - 1]`` (its calls'
-    times; an exception is raised). Returns the launch function to tune with and the configs in
-    the order they were timed."""
+    times; an exception is raised). Returns the launch function to tune with, the configs in the
+    order they were timed and the ``rep`` (ms) each timing was given."""
     import triton.testing
 
-    launched, timed = [], []
+    launched, timed, reps = [], [], []
 
     def bench(fn, **kwargs):
         fn()
         cfg = launched[-1]
         timed.append(cfg)
+        reps.append(kwargs["rep"])
         result = script[cfg][timed.count(cfg) - 1]
         if isinstance(result, Exception):
             raise result
         return result
 
     monkeypatch.setattr(triton.testing, "do_bench", bench)
-    return launched.append, timed
+    return launched.append, timed, reps
 
 
 def test_tune_drops_slow_and_unfitting_configs_then_takes_turns(monkeypatch):
     a, b, c, d = (configs.KernelConfig(m, 64, 4, 2) for m in (16, 32, 64, 128))
     # first round: c does not fit, d is over SLOWER_THAN_BEST x the fastest (a); then a and b take
     # turns for TUNING_ROUNDS rounds, and b's median is the lower one although a led the first round
-    launch, timed = _scripted_bench(monkeypatch, {
+    launch, timed, reps = _scripted_bench(monkeypatch, {
         a: [[3.0], [3.4, 3.4], [3.3], [3.4], [3.5]],
         b: [[3.3], [3.2], [3.2, 3.1], [3.2], [3.3]],
         c: [_out_of_resources()],
@@ -135,17 +136,28 @@ def test_tune_drops_slow_and_unfitting_configs_then_takes_turns(monkeypatch):
     assert configs._tune(launch, [a, b, c, d]) == b
     assert configs.TUNING_ROUNDS == 4
     assert timed == [a, b, c, d] + [a, b, b, a, a, b, b, a]
+    # the rounds last ROUND_CALLS calls of the fastest (3.0 ms), more than ROUND_MS
+    assert reps == [configs.FIRST_ROUND_MS] * 4 + [configs.ROUND_CALLS * 3.0] * 8
+
+
+@pytest.mark.parametrize("fastest_ms, expected", [(0.2, "ROUND_MS"), (3.0, "calls"), (50.0, "MAX_ROUND_MS")],
+                         ids=["short-kernel", "ms-kernel", "long-kernel"])
+def test_tuning_rounds_grow_with_the_kernel_up_to_a_cap(fastest_ms, expected):
+    want = {"ROUND_MS": configs.ROUND_MS, "calls": configs.ROUND_CALLS * fastest_ms,
+            "MAX_ROUND_MS": configs.MAX_ROUND_MS}[expected]
+    assert configs.round_ms(fastest_ms) == pytest.approx(want)
+    assert configs.ROUND_MS <= configs.round_ms(fastest_ms) <= configs.MAX_ROUND_MS
 
 
 def test_tune_keeps_a_lone_survivor_without_more_rounds(monkeypatch):
     a, b = configs.KernelConfig(64, 64, 4, 2), configs.KernelConfig(128, 64, 8, 3)
-    launch, timed = _scripted_bench(monkeypatch, {a: [[2.0, 2.1]], b: [[5.0]]})
+    launch, timed, _ = _scripted_bench(monkeypatch, {a: [[2.0, 2.1]], b: [[5.0]]})
     assert configs._tune(launch, [a, b]) == a
     assert timed == [a, b]
 
 
 def test_tune_says_when_no_config_fits(monkeypatch):
     a = configs.KernelConfig(64, 64, 4, 2)
-    launch, _ = _scripted_bench(monkeypatch, {a: [_out_of_resources()]})
+    launch, _, _ = _scripted_bench(monkeypatch, {a: [_out_of_resources()]})
     with pytest.raises(RuntimeError, match="no kernel config fits"):
         configs._tune(launch, [a])

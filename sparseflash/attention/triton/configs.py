@@ -156,14 +156,21 @@ def _save_choice(name: str, cfg: KernelConfig) -> None:
 
 FIRST_ROUND_MS = 25  # one timing of every candidate (compiling it): the slow ones are dropped after it
 SLOWER_THAN_BEST = 1.2  # ... those whose median is this many times the fastest one's
-TUNING_ROUNDS = 4  # then the rest take turns, ROUND_MS each per round; the lowest median of their calls wins
-ROUND_MS = 25
+TUNING_ROUNDS = 4  # then the rest take turns for this many rounds; the lowest median of their calls wins
+ROUND_MS = 25  # a round gives each ROUND_MS, or ROUND_CALLS calls of the fastest if that is longer
+ROUND_CALLS = 20  # (up to MAX_ROUND_MS): a kernel of milliseconds is judged under sustained load,
+MAX_ROUND_MS = 200  # where the power cap slows some configs more than others (kernel notes, version 21)
+
+
+def round_ms(fastest_ms: float) -> float:
+    """Each finalist's time per tuning round, given the fastest first-round median."""
+    return min(MAX_ROUND_MS, max(ROUND_MS, ROUND_CALLS * fastest_ms))
 
 
 def _tune(launch: Callable[[KernelConfig], None], options: list[KernelConfig]) -> KernelConfig:
     """The fastest of ``options``. The survivors of a first round are timed in interleaved rounds
-    (``sparseflash.timing``), so that the drift of the GPU's clocks over the seconds that tuning
-    takes does not decide between configs a few per cent apart."""
+    (``sparseflash.timing``) of ``round_ms`` each, so that the drift of the GPU's clocks over the
+    seconds that tuning takes does not decide between configs a few per cent apart."""
     first = interleaved_times([functools.partial(launch, cfg) for cfg in options], 1, FIRST_ROUND_MS,
                               FIRST_ROUND_MS, catch=(triton.runtime.errors.OutOfResources,))  # e.g. too much shared memory
     fitting = {cfg: statistics.median(times) for cfg, times in zip(options, first) if isinstance(times, list)}
@@ -173,8 +180,9 @@ def _tune(launch: Callable[[KernelConfig], None], options: list[KernelConfig]) -
     finalists = [cfg for cfg, ms in fitting.items() if ms <= SLOWER_THAN_BEST * fastest]
     if len(finalists) == 1:
         return finalists[0]
-    times = interleaved_times([functools.partial(launch, cfg) for cfg in finalists], TUNING_ROUNDS, ROUND_MS,
-                              ROUND_MS / 5)
+    rep_ms = round_ms(fastest)
+    times = interleaved_times([functools.partial(launch, cfg) for cfg in finalists], TUNING_ROUNDS, rep_ms,
+                              rep_ms / 5)
     medians = [statistics.median(t) for t in times]
     return finalists[medians.index(min(medians))]
 
