@@ -140,11 +140,10 @@ def test_tune_drops_slow_and_unfitting_configs_then_takes_turns(monkeypatch):
     assert reps == [configs.FIRST_ROUND_MS] * 4 + [configs.ROUND_CALLS * 3.0] * 8
 
 
-@pytest.mark.parametrize("fastest_ms, expected", [(0.2, "ROUND_MS"), (3.0, "calls"), (50.0, "MAX_ROUND_MS")],
-                         ids=["short-kernel", "ms-kernel", "long-kernel"])
-def test_tuning_rounds_grow_with_the_kernel_up_to_a_cap(fastest_ms, expected):
-    want = {"ROUND_MS": configs.ROUND_MS, "calls": configs.ROUND_CALLS * fastest_ms,
-            "MAX_ROUND_MS": configs.MAX_ROUND_MS}[expected]
+@pytest.mark.parametrize("fastest_ms, want", [(0.2, configs.ROUND_MS), (3.0, configs.ROUND_CALLS * 3.0),
+                                               (50.0, configs.MAX_ROUND_MS)],
+                         ids=["short-kernel-ROUND_MS", "ms-kernel-ROUND_CALLS", "long-kernel-MAX_ROUND_MS"])
+def test_tuning_rounds_grow_with_the_kernel_up_to_a_cap(fastest_ms, want):
     assert configs.round_ms(fastest_ms) == pytest.approx(want)
     assert configs.ROUND_MS <= configs.round_ms(fastest_ms) <= configs.MAX_ROUND_MS
 
