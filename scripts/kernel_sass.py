@@ -5,8 +5,8 @@ its instructions, tensor-core ops and register spills: the check behind kernel_n
     PYTHONPATH=/tmp/t36:. python scripts/kernel_sass.py ...   # Triton 3.6 as on the device:
                                                               # pip install --target /tmp/t36 triton==3.6.0
 
-A variant is KERNEL:KIND:HEAD_DIM:BMxBNwWARPSsSTAGES[:ragged], KERNEL fwd, bwd (both kinds of
-program in one launch), dkdv or dq; KIND dense, causal or sparse (128x128 mask blocks); ``ragged``
+A variant is KERNEL:KIND:HEAD_DIM:BMxBNwWARPSsSTAGES[:ragged], KERNEL fwd, pfwd (the persistent
+forward, for 132 SMs; KIND dense or sparse), bwd (both kinds of program in one launch), dkdv or dq; KIND dense, causal or sparse (128x128 mask blocks); ``ragged``
 compiles the EVEN_LENGTHS=False variant. Arguments are typed as the launcher passes them: bf16
 tensors, the head-dim stride 1, other tensor strides divisible by 16.
 """
@@ -33,12 +33,14 @@ def compile_variant(spec: str):
     kernel, kind, head_dim, tiles, *rest = spec.split(":")
     bm, bn, warps, stages = map(int, re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", tiles).groups())
     mask_kind, causal = KINDS[kind]
-    fn = forward._attn_fwd if kernel == "fwd" else backward._attn_bwd
+    fn = {"fwd": forward._attn_fwd, "pfwd": forward._attn_fwd_persistent}.get(kernel, backward._attn_bwd)
     constants = dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, HAS_KEY_LENGTHS=False, BLOCK_M=bm, BLOCK_N=bn,
                      SPARSE_BLOCK_M=128, SPARSE_BLOCK_N=128, HEAD_DIM=int(head_dim), D_PADDED=False,
                      DOT_PRECISION="ieee", WIDEN_DOTS=False,
                      EVEN_LENGTHS=kind != "sparse" and rest != ["ragged"])
-    if kernel != "fwd":
+    if kernel == "pfwd":
+        constants["NUM_PROGRAMS"] = 132
+    elif kernel != "fwd":
         constants["PROGRAMS"] = PROGRAMS[kernel]
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -88,7 +90,12 @@ def main() -> None:
             sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin],
                                   capture_output=True, text=True).stdout
         used = " ".join(line.split(":", 1)[-1].strip() for line in usage.splitlines() if "Used" in line or "spill" in line)
-        print(f"{spec} (triton {triton.__version__}): shared {compiled.metadata.shared} B; {used}")
+        partitions = compiled.asm["ttgir"].count("ttg.warp_specialize")
+        print(f"{spec} (triton {triton.__version__}): shared {compiled.metadata.shared} B; {used}"
+              + (f"; warp-specialised loops {partitions}" if spec.startswith("pfwd") else ""))
+        if os.environ.get("KERNEL_SASS_DUMP"):  # the TTGIR and SASS, for reading
+            for ext, text in (("ttgir", compiled.asm["ttgir"]), ("sass", sass)):
+                open(os.path.join(os.environ["KERNEL_SASS_DUMP"], f"{spec.replace(':', '_')}.{ext}"), "w").write(text)
         print("\n".join(loops(sass)))
 
 

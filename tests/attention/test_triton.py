@@ -146,6 +146,78 @@ def test_gradient_through_lse():
     assert torch.all(grads[0][2] == 0), "lse does not depend on v"
 
 
+# --------------------------------------------------------------------- the persistent forward
+PERSISTENT_CASES = {
+    # id: (mask kind, q_len = kv_len, dim, gqa, layout, expected to run the persistent kernel)
+    "dense-s128-d16-mha": ("dense", 128, 16, False, "contiguous", True),
+    "dense-s128-d64-gqa": ("dense", 128, 64, True, "contiguous", True),
+    "butterfly-s128-d32-gqa": ("butterfly", 128, 32, True, "contiguous", True),
+    "random-per-head-s96-d16-mha": ("random-per-head", 96, 16, False, "contiguous", True),
+    "empty-rows-s128-d16-mha": ("empty-rows", 128, 16, False, "contiguous", True),
+    "butterfly-s128-d32-bshd": ("butterfly", 128, 32, False, "bshd", True),  # heads side by side in a row
+    "butterfly-s128-d32-misaligned": ("butterfly", 128, 32, False, "misaligned", False),  # TMA cannot read it
+    "causal-s128-d16-mha": ("causal", 128, 16, False, "contiguous", False),  # masked tiles
+    "dense-s111-d16-mha": ("dense", 111, 16, False, "contiguous", False),  # a ragged tail
+    "butterfly-s128-d40-mha": ("butterfly", 128, 40, False, "contiguous", False),  # padded head dim
+}
+
+
+def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """x (B, H, S, D) with the same values in another memory layout."""
+    if layout == "contiguous":
+        return x
+    batch, heads, seq, dim = x.shape
+    if layout == "bshd":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    storage = torch.empty(batch, seq, heads, dim + 1, dtype=x.dtype, device=x.device)  # misaligned
+    out = storage[..., 1:].transpose(1, 2)
+    out.copy_(x)
+    return out
+
+
+@pytest.mark.parametrize("case", list(PERSISTENT_CASES), ids=str)
+def test_persistent_forward_matches_reference(case, monkeypatch):
+    """SPARSEFLASH_PERSISTENT=1: the persistent forward where it applies (then the backward), against
+    the reference; the problems it cannot take fall back to the other kernel."""
+    from sparseflash.attention.triton import configs
+
+    kind, seq_len, dim, gqa, layout, persistent = PERSISTENT_CASES[case]
+    monkeypatch.setenv("SPARSEFLASH_PERSISTENT", "1")
+    monkeypatch.setattr(configs, "_chosen", {})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, do = (_layout(x, layout) for x in _inputs(2, 4, 2 if gqa else 4, seq_len, seq_len, dim,
+                                                          torch.float16, device))
+    mask = _mask(kind, seq_len, seq_len, 4)
+    got = attention_with_grads("triton", q, k, v, mask, do)
+    assert configs.launched["forward"].persistent is persistent
+    want = attention_with_grads("reference", q, k, v, mask, do)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, TOL[torch.float16], name)
+    if kind == "empty-rows":
+        assert torch.all(got[0][:, :, :32] == 0) and torch.all(got[1][:, :, :32] == float("-inf"))
+
+
+@pytest.mark.parametrize("dtype, key_lengths", [(torch.bfloat16, False), (torch.float16, True)],
+                         ids=["bf16-interpreter", "key-lengths"])
+def test_persistent_forward_not_taken(dtype, key_lengths, monkeypatch):
+    """key_lengths keep the other kernel, and so does bf16 under the interpreter (whose TMA loads
+    corrupt bf16); on a Hopper GPU bf16 takes the persistent one."""
+    from sparseflash.attention.triton import configs
+
+    monkeypatch.setenv("SPARSEFLASH_PERSISTENT", "1")
+    monkeypatch.setattr(configs, "_chosen", {})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, do = _inputs(2, 4, 4, 128, 128, 16, dtype, device)
+    lengths = torch.tensor([100, 128], device=device) if key_lengths else None
+    mask = _mask("butterfly", 128, 128, 4)
+    got = attention_with_grads("triton", q, k, v, mask, do, lengths)
+    on_hopper = device == "cuda" and configs.persistent_supported(q.device)
+    assert configs.launched["forward"].persistent is (on_hopper and not key_lengths)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got,
+                          attention_with_grads("reference", q, k, v, mask, do, lengths)):
+        assert_close(a, b, TOL[dtype], name)
+
+
 # ------------------------------------------------------------------------------ GPU, realistic sizes
 GPU_PATTERNS = {
     "dense": {}, "causal": {}, "butterfly": {}, "local": {"window": 2}, "random": {"density": 0.25},
@@ -213,6 +285,27 @@ def test_gpu_relaunch_across_layouts():
         for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), attention_with_grads("triton", q, k, v, mask, do),
                               attention_with_grads("reference", q, k, v, mask, do)):
             assert_close(a, b, TOL[torch.bfloat16], f"{layout} {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "bshd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dim", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("pattern", ["dense", "butterfly", "local", "random"])
+def test_gpu_persistent_forward(pattern, dim, dtype, layout, monkeypatch):
+    """The persistent, warp-specialised forward (SPARSEFLASH_PERSISTENT=1) at S=4096, GQA, against the
+    reference (forward, lse and the gradients of the backward that reads its lse)."""
+    from sparseflash.attention.triton import configs
+
+    monkeypatch.setenv("SPARSEFLASH_PERSISTENT", "1")
+    monkeypatch.setattr(configs, "_chosen", {})
+    seq_len, heads = 4096, 8
+    q, k, v, do = (_layout(x, layout) for x in _inputs(2, heads, heads // 2, seq_len, seq_len, dim, dtype, "cuda"))
+    mask = make(pattern, seq_len, block=128, heads=heads, **GPU_PATTERNS[pattern])
+    got = attention_with_grads("triton", q, k, v, mask, do)
+    assert configs.launched["forward"].persistent
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, attention_with_grads("reference", q, k, v, mask, do)):
+        assert_close(a, b, TOL[dtype], name)
 
 
 @pytest.mark.gpu

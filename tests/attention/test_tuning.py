@@ -160,3 +160,27 @@ def test_tune_says_when_no_config_fits(monkeypatch):
     launch, _, _ = _scripted_bench(monkeypatch, {a: [_out_of_resources()]})
     with pytest.raises(RuntimeError, match="no kernel config fits"):
         configs._tune(launch, [a])
+
+
+@pytest.mark.parametrize("choice", ["0", "auto", "1"])
+def test_persistent_forward_candidates(choice, monkeypatch):
+    """SPARSEFLASH_PERSISTENT: where the key allows the persistent forward, "auto" tunes it against the
+    other forward configs, "1" tries it alone and "0" leaves it out; no other kernel gets it."""
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setenv("SPARSEFLASH_PERSISTENT", choice)
+    q = torch.empty(1, 4, 4096, 128)
+    key = configs.ConfigKey.of(q, make("butterfly", 4096, block=128), 128, persistent=True)
+    found = configs.candidates("forward", key)
+    persistent = [c for c in found if c.persistent]
+    assert persistent == {"0": [], "auto": configs.PERSISTENT_FORWARD, "1": configs.PERSISTENT_FORWARD}[choice]
+    others = len(configs.CANDIDATES["forward"][128])
+    assert len(found) - len(persistent) == {"0": others, "auto": others, "1": 0}[choice]
+    assert not any(c.persistent for c in configs.candidates("backward", key))
+    not_allowed = configs.ConfigKey.of(q, make("butterfly", 4096, block=128), 128)
+    assert not any(c.persistent for c in configs.candidates("forward", not_allowed))
+
+
+def test_persistent_choice_rejects_other_values(monkeypatch):
+    monkeypatch.setenv("SPARSEFLASH_PERSISTENT", "yes")
+    with pytest.raises(ValueError, match="SPARSEFLASH_PERSISTENT must be auto, 0 or 1; got 'yes'"):
+        configs.persistent_choice()

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +36,7 @@ class KernelConfig:
     block_n: int  # key rows of a tile
     num_warps: int
     num_stages: int
+    persistent: bool = False  # forward only: the persistent, warp-specialised kernel (forward.py)
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,16 @@ class ConfigKey:
     row_work: int  # log2 of the mean mask blocks per query row: the loop's trip count
     parallelism: int  # log2 of batch x heads x 128-row query tiles: how well a grid fills the GPU
     device: str
+    persistent: bool = False  # the persistent forward can take the problem (KernelInputs.persistent_fits)
 
     @classmethod
-    def of(cls, q: torch.Tensor, mask, padded_dim: int) -> "ConfigKey":
+    def of(cls, q: torch.Tensor, mask, padded_dim: int, persistent: bool = False) -> "ConfigKey":
         device = _device_name(q.device)
         blocks_per_row = max(1.0, mask.mean_row_blocks)
         tiles = q.shape[0] * q.shape[1] * -(-q.shape[2] // 128)
         return cls(padded_dim, str(q.dtype).removeprefix("torch."), mask.kind.name,
                    tuple(mask.block_size), mask.causal, round(math.log2(blocks_per_row)),
-                   round(math.log2(tiles)), device)
+                   round(math.log2(tiles)), device, persistent)
 
     @property
     def dot_precision(self) -> str:
@@ -74,6 +76,25 @@ def _device_name(device: torch.device) -> str:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def persistent_choice() -> str:
+    """``SPARSEFLASH_PERSISTENT``: "auto" (default) tunes the persistent forward against the others
+    where it applies (on Hopper), "1" takes it wherever it applies (also under the interpreter, where
+    "auto" leaves it out), "0" never does."""
+    choice = os.environ.get("SPARSEFLASH_PERSISTENT", "auto")
+    if choice not in ("auto", "0", "1"):
+        raise ValueError(f"SPARSEFLASH_PERSISTENT must be auto, 0 or 1; got {choice!r}")
+    return choice
+
+
+@functools.lru_cache(maxsize=None)
+def persistent_supported(device: torch.device) -> bool:
+    """Whether the persistent forward runs on ``device``: Hopper GPUs, whose warp specialisation and
+    TMA it was built and measured on, and the interpreter."""
+    if device.type != "cuda":
+        return interpreting()
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _configs(*rows: tuple[int, int, int, int]) -> list[KernelConfig]:
@@ -98,6 +119,10 @@ CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
         256: _configs((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)),
     },
 }
+# The persistent forward, where the key allows it (padded head dims up to 128): 4 warps, the only
+# count Triton's warp specialisation splits among two consumer warpgroups, and 2 stages (3 give NaN
+# under Triton 3.6; kernel_notes.md, version 22).
+PERSISTENT_FORWARD = [KernelConfig(128, 128, 4, 2, True), KernelConfig(128, 64, 4, 2, True)]
 INTERPRETER_TILE = 32
 
 _chosen: dict[tuple[str, ConfigKey], KernelConfig] = {}
@@ -107,7 +132,7 @@ launched: dict[str, KernelConfig] = {}  # each kernel's latest config; the bench
 def launched_summary() -> str:
     """``kernel=BLOCK_MxBLOCK_N/wWARPS/sSTAGES`` of each kernel launched since ``launched`` was cleared."""
     return " ".join(f"{kernel}={c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}"
-                    for kernel, c in launched.items())
+                    + ("/persistent" if c.persistent else "") for kernel, c in launched.items())
 
 
 def fit(kernel: str, cfg: KernelConfig, key: ConfigKey) -> KernelConfig:
@@ -117,16 +142,19 @@ def fit(kernel: str, cfg: KernelConfig, key: ConfigKey) -> KernelConfig:
         limit_m, limit_n = limit_n, limit_m
     elif kernel == "backward":  # its tiles serve both ways round, so each must divide both sides
         limit_m = limit_n = min(limit_m, limit_n)
-    return KernelConfig(min(cfg.block_m, limit_m), min(cfg.block_n, limit_n), cfg.num_warps, cfg.num_stages)
+    return replace(cfg, block_m=min(cfg.block_m, limit_m), block_n=min(cfg.block_n, limit_n))
 
 
 def candidates(kernel: str, key: ConfigKey) -> list[KernelConfig]:
     """The configs to try, fitted to the mask blocks, duplicates removed."""
+    persistent = kernel == "forward" and key.persistent and key.head_dim <= 128
+    choice = persistent_choice() if persistent else "0"
     if interpreting():
-        return [fit(kernel, KernelConfig(INTERPRETER_TILE, INTERPRETER_TILE, 4, 1), key)]
+        return [fit(kernel, KernelConfig(INTERPRETER_TILE, INTERPRETER_TILE, 4, 1, choice == "1"), key)]
     table = CANDIDATES[kernel]
     head_dim = min((d for d in table if d >= key.head_dim), default=max(table))
-    return list(dict.fromkeys(fit(kernel, cfg, key) for cfg in table[head_dim]))
+    options = {"0": table[head_dim], "auto": table[head_dim] + PERSISTENT_FORWARD, "1": PERSISTENT_FORWARD}[choice]
+    return list(dict.fromkeys(fit(kernel, cfg, key) for cfg in options))
 
 
 def _cache_path() -> Path:

@@ -21,6 +21,9 @@ A row that sees no key keeps m = -inf, l = 0 and stores o = 0, lse = -inf.
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -30,11 +33,13 @@ from sparseflash.attention.triton.launch import Launcher
 from sparseflash.masks import BlockMask, MaskKind
 
 LOG2E = 1.4426950408889634
+INTERPRETER_PROGRAMS = 3  # the persistent forward's programs under the interpreter: several tiles each
 KIND_CODES = {MaskKind.DENSE: 0, MaskKind.CAUSAL: 1, MaskKind.SPARSE: 2}
 # Arguments that change with the sequence length and are not specialised on, so that a new length
 # reuses the compiled kernel: the lengths and the strides of the block tables (block counts). The
 # tensor strides stay specialised: their divisibility decides the width of vector loads.
 ROW_LENGTH_ARGS = ["q_len", "kv_len", "stride_num_h", "stride_num_m", "stride_idx_h", "stride_idx_m"]
+PERSISTENT_LENGTH_ARGS = [*ROW_LENGTH_ARGS, "q_rows", "k_rows", "v_rows", "o_rows", "n_tiles"]
 
 
 @triton.jit
@@ -159,6 +164,33 @@ def key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_v
 
 
 @triton.jit
+def online_softmax_step(acc, l_i, m_i, s, v, MAY_BE_EMPTY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        WIDEN_DOTS: tl.constexpr):
+    """Fold one key tile, base-2 scores s (BM, BN) and values v (BN, D), into the running output
+    acc (BM, D), sum l and max m; MAY_BE_EMPTY: a row of s may be all -inf (masked tiles)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MAY_BE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+    else:
+        m_ref = m_new
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = mma(p.to(v.dtype), v, acc, DOT_PRECISION, WIDEN_DOTS)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def finish_rows(acc, l_i, m_i):
+    """The rows' output (fp32, BM x D) and natural-log lse; a row that saw no key gets 0 and -inf."""
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln 2
+    return acc / l_safe[:, None], lse
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
                FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
@@ -171,17 +203,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         s, _, v = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv,
                                   offs_d, kv_bound, head_dim, qk_scale, APPLY_CAUSAL, APPLY_KV_BOUND, D_PADDED,
                                   False, DOT_PRECISION, WIDEN_DOTS)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if APPLY_CAUSAL or APPLY_KV_BOUND:
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-        else:
-            m_ref = m_new
-        p = tl.math.exp2(s - m_ref[:, None])
-        alpha = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = mma(p.to(v.dtype), v, acc, DOT_PRECISION, WIDEN_DOTS)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, APPLY_CAUSAL or APPLY_KV_BOUND, DOT_PRECISION,
+                                            WIDEN_DOTS)
         block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     return acc, l_i, m_i
 
@@ -245,17 +268,89 @@ def _attn_fwd(
             WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
             WIDEN_DOTS)
 
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln 2
+    o, lse = finish_rows(acc, l_i, m_i)
     o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim))
     tl.store(LSE + bh * q_len + offs_m, lse, mask=offs_m < q_len)
 
 
+@triton.jit
+def row_view(X, rows, stride_m, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A TMA descriptor over X seen as a matrix of ``rows`` rows of pitch stride_m (``row_view_rows``)."""
+    return tl.make_tensor_descriptor(X, shape=[rows, stride_m], strides=[stride_m, 1],
+                                     block_shape=[BLOCK, HEAD_DIM])
+
+
+@triton.jit
+def row_view_coords(b, h, row, stride_b, stride_h, stride_m):
+    """(row, column) in ``row_view`` of element (b, h, row, 0)."""
+    offset = b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+    return (offset // stride_m).to(tl.int32) + row, (offset % stride_m).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=PERSISTENT_LENGTH_ARGS)
+def _attn_fwd_persistent(
+    Q, K, V, O, LSE, FULL_NUM, FULL_IDX,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+    q_rows, k_rows, v_rows, o_rows,
+    stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+    heads, groups, q_len, kv_len, n_tiles, qk_scale,
+    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+):
+    """The forward of a mask whose every computed tile is full, as NUM_PROGRAMS programs that each
+    take every NUM_PROGRAMS-th (batch x head, query tile), with Q, K, V, O moved by TMA.
+    Triton's warp specialisation (Hopper, num_warps=4) splits the tile loop into a producer warp
+    that loads and two consumer warpgroups of BLOCK_M / 2 rows each; the producer loads the next
+    tile's Q while the consumers finish the current one."""
+    tl.static_assert(MASK_KIND != 1 and not IS_CAUSAL and not HAS_KEY_LENGTHS and not D_PADDED,
+                     "the persistent forward takes full tiles of unpadded heads only")
+    q_desc = row_view(Q, q_rows, stride_qm, BLOCK_M, HEAD_DIM)
+    k_desc = row_view(K, k_rows, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = row_view(V, v_rows, stride_vn, BLOCK_N, HEAD_DIM)
+    o_desc = row_view(O, o_rows, stride_om, BLOCK_M, HEAD_DIM)
+    WALK_TABLES: tl.constexpr = MASK_KIND == 2
+    m_tiles = q_len // BLOCK_M
+    for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGRAMS, warp_specialize=True):
+        bh = tile // m_tiles
+        q_start = (tile % m_tiles) * BLOCK_M
+        b = bh // heads
+        h = bh % heads
+        full_idx, full_hi, _, _, _ = row_tile_ranges(
+            FULL_NUM, FULL_IDX, FULL_NUM, FULL_IDX, h, q_start, kv_len,
+            stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+            MASK_KIND, False, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
+        q_row, q_col = row_view_coords(b, h, q_start, stride_qb, stride_qh, stride_qm)
+        k_row, k_col = row_view_coords(b, h // groups, 0, stride_kb, stride_kh, stride_kn)
+        v_row, v_col = row_view_coords(b, h // groups, 0, stride_vb, stride_vh, stride_vn)
+        q = q_desc.load([q_row, q_col])
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for t in tl.range(0, full_hi):
+            block = listed_block(full_idx, t, full_hi, WALK_TABLES, BLOCK_N, SPARSE_BLOCK_N)
+            kv_start = tile_start(t, block, WALK_TABLES, BLOCK_N, SPARSE_BLOCK_N)
+            k = k_desc.load([k_row + kv_start, k_col])
+            v = v_desc.load([v_row + kv_start, v_col])
+            s = mma(q, tl.trans(k), None, DOT_PRECISION, WIDEN_DOTS) * qk_scale
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, False, DOT_PRECISION, WIDEN_DOTS)
+        o, lse = finish_rows(acc, l_i, m_i)
+        o_row, o_col = row_view_coords(b, h, q_start, stride_ob, stride_oh, stride_om)
+        o_desc.store([o_row, o_col], o.to(O.dtype.element_ty))
+        # lse's addresses share no value with o's coordinates: Triton 3.6-3.9's warp specialisation
+        # offsets such a shared value by the second consumer's first row and then adds that
+        # consumer's row range to it again, writing its lse BLOCK_M / 2 rows too far (kernel_notes.md,
+        # version 22).
+        tl.store(LSE + bh * q_len + (q_start + tl.arange(0, BLOCK_M)), lse)
+
+
 # ---------------------------------------------------------------------------------- launcher
 FORWARD = Launcher(_attn_fwd)
+FORWARD_PERSISTENT = Launcher(_attn_fwd_persistent)
 
 
 class KernelInputs:
@@ -281,11 +376,27 @@ class KernelInputs:
         self.padded_dim = max(16, triton.next_power_of_2(self.head_dim))
         self.has_key_lengths = has_key_lengths
         self.kind, self.causal, self.sparse_block = mask.kind, mask.causal, mask.block_size
-        self.config_key = configs.ConfigKey.of(q, mask, self.padded_dim)
+        self.persistent_fits = self._persistent_fits(q, mask)
+        self.programs = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                         if q.device.type == "cuda" else INTERPRETER_PROGRAMS)
+        self.config_key = configs.ConfigKey.of(q, mask, self.padded_dim, self.persistent_fits)
         self._placeholder = torch.empty(1, dtype=torch.int32, device=q.device)  # for absent tensors
         tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
         self._tables = {side: self._tables_of(tables, side) for side in ("kv", "q")}
         self._constexprs: dict[tuple, dict] = {}
+
+    def _persistent_fits(self, q: torch.Tensor, mask: BlockMask) -> bool:
+        """Whether the persistent forward can take this problem on this device: every computed tile
+        is full (DENSE with lengths that 128-row tiles divide, or SPARSE without partial blocks), no
+        key_lengths, an unpadded head dim and fp16/bf16 (the launch also checks the layouts:
+        ``row_view_rows``). Not bf16 under the interpreter, whose TMA loads corrupt bf16 (Triton 3.9)."""
+        if self.kind is MaskKind.DENSE:
+            full_tiles = self.q_len % 128 == 0 and self.kv_len % 128 == 0
+        else:
+            full_tiles = self.kind is MaskKind.SPARSE and not bool(mask.partial_layout.any())
+        return (full_tiles and not self.has_key_lengths and self.padded_dim == self.head_dim
+                and (q.dtype is torch.float16 or (q.dtype is torch.bfloat16 and not configs.interpreting()))
+                and configs.persistent_supported(q.device))
 
     def key_lengths_arg(self, key_lengths: torch.Tensor | None) -> torch.Tensor:
         """``key_lengths`` as the kernels read it (int32), or a placeholder (HAS_KEY_LENGTHS is off)."""
@@ -326,6 +437,34 @@ class KernelInputs:
         )
 
 
+def row_view_rows(x: torch.Tensor) -> int | None:
+    """Rows of the matrix that ``row_view`` sees x (B, H, S, D) as: rows of pitch x.stride(2),
+    where element (b, h, s, 0) is at column (b * stride_b + h * stride_h) % pitch. None where TMA
+    cannot read x that way: a head's D elements crossing a pitch, or an address or pitch that is
+    not 16-byte aligned."""
+    batch, heads, seq, dim = x.shape
+    stride_b, stride_h, pitch, stride_d = x.stride()
+    in_pitch = (batch == 1 or stride_b % pitch == 0) and (
+        heads == 1 or stride_h % pitch == 0 or (stride_h > 0 and (heads - 1) * stride_h + dim <= pitch))
+    if stride_d != 1 or not in_pitch or x.data_ptr() % 16 or pitch * x.element_size() % 16:
+        return None
+    return ((batch - 1) * stride_b + (heads - 1) * stride_h) // pitch + seq
+
+
+def _scratch_on(device: torch.device):
+    """Triton's allocator for the global scratch where a kernel builds its TMA descriptors."""
+    return lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
+
+
+def _launch_with_scratch(device: torch.device, launch) -> None:
+    """``launch()`` with Triton's allocator set to ``_scratch_on(device)`` in a copy of the caller's
+    context, so that an allocator the caller set is neither used nor replaced."""
+    def run():
+        triton.set_allocator(_scratch_on(device))
+        launch()
+    contextvars.copy_context().run(run)
+
+
 def attention_forward(q, k, v, key_lengths: torch.Tensor, inputs: KernelInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32; ``key_lengths`` as
     ``inputs.key_lengths_arg`` gives it."""
@@ -335,8 +474,19 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, inputs: KernelInputs) 
     tensors = (q, k, v, o, lse, key_lengths, *tables)
     scalars = (*q.stride(), *k.stride(), *v.stride(), *o.stride(), *table_strides, inputs.heads, inputs.groups,
                inputs.q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale)
+    view_rows = [row_view_rows(x) for x in (q, k, v, o)] if inputs.persistent_fits else [None]
 
     def launch(cfg: configs.KernelConfig) -> None:
+        if cfg.persistent and None not in view_rows:
+            n_tiles = inputs.batch * inputs.heads * (inputs.q_len // cfg.block_m)
+            persistent_scalars = (*[s for x in (q, k, v, o) for s in x.stride()[:3]], *view_rows, *table_strides,
+                                  inputs.heads, inputs.groups, inputs.q_len, inputs.kv_len, n_tiles, inputs.qk_scale)
+            _launch_with_scratch(q.device, lambda: FORWARD_PERSISTENT(
+                (min(n_tiles, inputs.programs),), (q, k, v, o, lse, *tables[:2]), persistent_scalars,
+                inputs.constexprs(cfg, NUM_PROGRAMS=inputs.programs)))
+            return
+        if cfg.persistent:  # a layout TMA cannot read: the same tiles in the other kernel
+            cfg = configs.launched["forward"] = dataclasses.replace(cfg, persistent=False)
         FORWARD((triton.cdiv(inputs.q_len, cfg.block_m), inputs.batch * inputs.heads), tensors, scalars,
                 inputs.constexprs(cfg))
 
