@@ -156,7 +156,9 @@ PERSISTENT_CASES = {
     "empty-rows-s128-d16-mha": ("empty-rows", 128, 16, False, "contiguous", True),
     "butterfly-s128-d32-bshd": ("butterfly", 128, 32, False, "bshd", True),  # heads side by side in a row
     "butterfly-s128-d32-misaligned": ("butterfly", 128, 32, False, "misaligned", False),  # TMA cannot read it
-    "causal-s128-d16-mha": ("causal", 128, 16, False, "contiguous", False),  # masked tiles
+    "causal-s128-d16-gqa": ("causal", 128, 16, True, "contiguous", True),
+    "causal-s128-d32-bshd": ("causal", 128, 32, False, "bshd", True),
+    "local-causal-s128-d16-mha": ("local-causal", 128, 16, False, "contiguous", False),  # partial blocks
     "dense-s111-d16-mha": ("dense", 111, 16, False, "contiguous", False),  # a ragged tail
     "butterfly-s128-d40-mha": ("butterfly", 128, 40, False, "contiguous", False),  # padded head dim
 }
@@ -291,7 +293,7 @@ def test_gpu_relaunch_across_layouts():
 @pytest.mark.parametrize("layout", ["contiguous", "bshd"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("dim", [64, 128], ids=["d64", "d128"])
-@pytest.mark.parametrize("pattern", ["dense", "butterfly", "local", "random"])
+@pytest.mark.parametrize("pattern", ["dense", "causal", "butterfly", "local", "random"])
 def test_gpu_persistent_forward(pattern, dim, dtype, layout, monkeypatch):
     """The persistent, warp-specialised forward (SPARSEFLASH_PERSISTENT=1) at S=4096, GQA, against the
     reference (forward, lse and the gradients of the backward that reads its lse)."""

@@ -288,6 +288,27 @@ def row_view_coords(b, h, row, stride_b, stride_h, stride_m):
     return (offset // stride_m).to(tl.int32) + row, (offset % stride_m).to(tl.int32)
 
 
+@triton.jit
+def _fwd_tiles_tma(acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col, t_hi, idx_ptr, q_start,
+                   qk_scale, FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   WIDEN_DOTS: tl.constexpr):
+    """``_fwd_tiles`` over tiles 0..t_hi-1 for the persistent forward: K and V through the ``row_view``
+    descriptors, no bounds."""
+    for t in tl.range(0, t_hi):
+        block = listed_block(idx_ptr, t, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
+        kv_start = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
+        k = k_desc.load([k_row + kv_start, k_col])
+        v = v_desc.load([v_row + kv_start, v_col])
+        s = mma(q, tl.trans(k), None, DOT_PRECISION, WIDEN_DOTS) * qk_scale
+        if APPLY_CAUSAL:
+            offs_m = q_start + tl.arange(0, BLOCK_M)
+            offs_kv = kv_start + tl.arange(0, BLOCK_N)
+            s = tl.where(offs_m[:, None] >= offs_kv[None, :], s, float("-inf"))
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, APPLY_CAUSAL, DOT_PRECISION, WIDEN_DOTS)
+    return acc, l_i, m_i
+
+
 @triton.jit(do_not_specialize=PERSISTENT_LENGTH_ARGS)
 def _attn_fwd_persistent(
     Q, K, V, O, LSE, FULL_NUM, FULL_IDX,
@@ -302,25 +323,30 @@ def _attn_fwd_persistent(
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
-    """The forward of a mask whose every computed tile is full, as NUM_PROGRAMS programs that each
-    take every NUM_PROGRAMS-th (batch x head, query tile), with Q, K, V, O moved by TMA.
+    """The forward of DENSE and CAUSAL masks whose tiles divide the lengths and of SPARSE masks without
+    partial blocks, as NUM_PROGRAMS programs that each take every NUM_PROGRAMS-th (batch x head,
+    query tile), with Q, K, V, O moved by TMA.
     Triton's warp specialisation (Hopper, num_warps=4) splits the tile loop into a producer warp
     that loads and two consumer warpgroups of BLOCK_M / 2 rows each; the producer loads the next
     tile's Q while the consumers finish the current one."""
-    tl.static_assert(MASK_KIND != 1 and not IS_CAUSAL and not HAS_KEY_LENGTHS and not D_PADDED,
-                     "the persistent forward takes full tiles of unpadded heads only")
+    tl.static_assert(not HAS_KEY_LENGTHS and not D_PADDED and (MASK_KIND == 1 or not IS_CAUSAL),
+                     "the persistent forward takes even lengths, unpadded heads and no partial block")
     q_desc = row_view(Q, q_rows, stride_qm, BLOCK_M, HEAD_DIM)
     k_desc = row_view(K, k_rows, stride_kn, BLOCK_N, HEAD_DIM)
     v_desc = row_view(V, v_rows, stride_vn, BLOCK_N, HEAD_DIM)
     o_desc = row_view(O, o_rows, stride_om, BLOCK_M, HEAD_DIM)
     WALK_TABLES: tl.constexpr = MASK_KIND == 2
+    CAUSAL: tl.constexpr = MASK_KIND == 1
     m_tiles = q_len // BLOCK_M
     for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGRAMS, warp_specialize=True):
         bh = tile // m_tiles
-        q_start = (tile % m_tiles) * BLOCK_M
+        if CAUSAL:  # the longest rows first
+            q_start = (m_tiles - 1 - tile % m_tiles) * BLOCK_M
+        else:
+            q_start = (tile % m_tiles) * BLOCK_M
         b = bh // heads
         h = bh % heads
-        full_idx, full_hi, _, _, _ = row_tile_ranges(
+        full_idx, full_hi, _, _, part_hi = row_tile_ranges(
             FULL_NUM, FULL_IDX, FULL_NUM, FULL_IDX, h, q_start, kv_len,
             stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
             MASK_KIND, False, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
@@ -331,13 +357,12 @@ def _attn_fwd_persistent(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for t in tl.range(0, full_hi):
-            block = listed_block(full_idx, t, full_hi, WALK_TABLES, BLOCK_N, SPARSE_BLOCK_N)
-            kv_start = tile_start(t, block, WALK_TABLES, BLOCK_N, SPARSE_BLOCK_N)
-            k = k_desc.load([k_row + kv_start, k_col])
-            v = v_desc.load([v_row + kv_start, v_col])
-            s = mma(q, tl.trans(k), None, DOT_PRECISION, WIDEN_DOTS) * qk_scale
-            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, False, DOT_PRECISION, WIDEN_DOTS)
+        # CAUSAL runs its diagonal tiles in the same loop, masking every tile: a second loop makes
+        # the warp-specialisation pass fail (Triton 3.9)
+        acc, l_i, m_i = _fwd_tiles_tma(
+            acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col, part_hi if CAUSAL else full_hi,
+            full_idx, q_start, qk_scale, WALK_TABLES, CAUSAL, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N, DOT_PRECISION,
+            WIDEN_DOTS)
         o, lse = finish_rows(acc, l_i, m_i)
         o_row, o_col = row_view_coords(b, h, q_start, stride_ob, stride_oh, stride_om)
         o_desc.store([o_row, o_col], o.to(O.dtype.element_ty))
@@ -386,15 +411,14 @@ class KernelInputs:
         self._constexprs: dict[tuple, dict] = {}
 
     def _persistent_fits(self, q: torch.Tensor, mask: BlockMask) -> bool:
-        """Whether the persistent forward can take this problem on this device: every computed tile
-        is full (DENSE with lengths that 128-row tiles divide, or SPARSE without partial blocks), no
-        key_lengths, an unpadded head dim and fp16/bf16 (the launch also checks the layouts:
+        """Whether the persistent forward can take this problem on this device: DENSE or CAUSAL with
+        lengths that 128-row tiles divide, or SPARSE without partial blocks; no key_lengths, an unpadded head dim and fp16/bf16 (the launch also checks the layouts:
         ``row_view_rows``). Not bf16 under the interpreter, whose TMA loads corrupt bf16 (Triton 3.9)."""
-        if self.kind is MaskKind.DENSE:
-            full_tiles = self.q_len % 128 == 0 and self.kv_len % 128 == 0
+        if self.kind is MaskKind.SPARSE:
+            even_tiles = not bool(mask.partial_layout.any())
         else:
-            full_tiles = self.kind is MaskKind.SPARSE and not bool(mask.partial_layout.any())
-        return (full_tiles and not self.has_key_lengths and self.padded_dim == self.head_dim
+            even_tiles = self.q_len % 128 == 0 and self.kv_len % 128 == 0
+        return (even_tiles and not self.has_key_lengths and self.padded_dim == self.head_dim
                 and (q.dtype is torch.float16 or (q.dtype is torch.bfloat16 and not configs.interpreting()))
                 and configs.persistent_supported(q.device))
 
