@@ -409,6 +409,7 @@ class KernelInputs:
         tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
         self._tables = {side: self._tables_of(tables, side) for side in ("kv", "q")}
         self._constexprs: dict[tuple, dict] = {}
+        self._persistent_scalars: dict[tuple, tuple | None] = {}
 
     def _persistent_fits(self, q: torch.Tensor, mask: BlockMask) -> bool:
         """Whether the persistent forward can take this problem on this device: DENSE or CAUSAL with
@@ -421,6 +422,18 @@ class KernelInputs:
         return (even_tiles and not self.has_key_lengths and self.padded_dim == self.head_dim
                 and (q.dtype is torch.float16 or (q.dtype is torch.bfloat16 and not configs.interpreting()))
                 and configs.persistent_supported(q.device))
+
+    def persistent_scalars(self, q, k, v, o) -> tuple | None:
+        """The persistent forward's scalars up to n_tiles: the (batch, head, row) strides and
+        ``row_view_rows`` of q, k, v, o, the table strides, heads, groups and lengths; None where
+        TMA cannot read a layout. Kept per layout (strides and 16-byte alignment)."""
+        layout = (q.stride(), k.stride(), v.stride(), q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
+        if layout not in self._persistent_scalars:
+            rows = [row_view_rows(x) for x in (q, k, v, o)]
+            self._persistent_scalars[layout] = None if None in rows else (
+                *[s for x in (q, k, v, o) for s in x.stride()[:3]], *rows, *self._tables["kv"][1],
+                self.heads, self.groups, self.q_len, self.kv_len)
+        return self._persistent_scalars[layout]
 
     def key_lengths_arg(self, key_lengths: torch.Tensor | None) -> torch.Tensor:
         """``key_lengths`` as the kernels read it (int32), or a placeholder (HAS_KEY_LENGTHS is off)."""
@@ -475,16 +488,25 @@ def row_view_rows(x: torch.Tensor) -> int | None:
     return ((batch - 1) * stride_b + (heads - 1) * stride_h) // pitch + seq
 
 
-def _scratch_on(device: torch.device):
-    """Triton's allocator for the global scratch where a kernel builds its TMA descriptors."""
-    return lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
+_SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
-def _launch_with_scratch(device: torch.device, launch) -> None:
-    """``launch()`` with Triton's allocator set to ``_scratch_on(device)`` in a copy of the caller's
-    context, so that an allocator the caller set is neither used nor replaced."""
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's allocator for the global scratch where the persistent forward builds its TMA
+    descriptors: one buffer per device and stream, kept and grown (launches on one stream run in
+    turn, so they can share it; a fresh allocation cost ~5 µs of host time per launch)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    buffer = _SCRATCH.get((device, stream))
+    if buffer is None or buffer.numel() < size:
+        buffer = _SCRATCH[device, stream] = torch.empty(size, dtype=torch.int8, device=device)
+    return buffer
+
+
+def _launch_with_scratch(launch) -> None:
+    """``launch()`` with Triton's allocator set to ``_scratch`` in a copy of the caller's context,
+    so that an allocator the caller set is neither used nor replaced."""
     def run():
-        triton.set_allocator(_scratch_on(device))
+        triton.set_allocator(_scratch)
         launch()
     contextvars.copy_context().run(run)
 
@@ -498,16 +520,14 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, inputs: KernelInputs) 
     tensors = (q, k, v, o, lse, key_lengths, *tables)
     scalars = (*q.stride(), *k.stride(), *v.stride(), *o.stride(), *table_strides, inputs.heads, inputs.groups,
                inputs.q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale)
-    view_rows = [row_view_rows(x) for x in (q, k, v, o)] if inputs.persistent_fits else [None]
+    persistent_scalars = inputs.persistent_scalars(q, k, v, o) if inputs.persistent_fits else None
 
     def launch(cfg: configs.KernelConfig) -> None:
-        if cfg.persistent and None not in view_rows:
+        if cfg.persistent and persistent_scalars is not None:
             n_tiles = inputs.batch * inputs.heads * (inputs.q_len // cfg.block_m)
-            persistent_scalars = (*[s for x in (q, k, v, o) for s in x.stride()[:3]], *view_rows, *table_strides,
-                                  inputs.heads, inputs.groups, inputs.q_len, inputs.kv_len, n_tiles, inputs.qk_scale)
-            _launch_with_scratch(q.device, lambda: FORWARD_PERSISTENT(
-                (min(n_tiles, inputs.programs),), (q, k, v, o, lse, *tables[:2]), persistent_scalars,
-                inputs.constexprs(cfg, NUM_PROGRAMS=inputs.programs)))
+            _launch_with_scratch(lambda: FORWARD_PERSISTENT(
+                (min(n_tiles, inputs.programs),), (q, k, v, o, lse, *tables[:2]),
+                (*persistent_scalars, n_tiles, inputs.qk_scale), inputs.constexprs(cfg, NUM_PROGRAMS=inputs.programs)))
             return
         if cfg.persistent:  # a layout TMA cannot read: the same tiles in the other kernel
             cfg = configs.launched["forward"] = dataclasses.replace(cfg, persistent=False)
