@@ -1,7 +1,9 @@
-"""Prototype, kept as the record of kernel notes version 21 (not part of the package): a persistent
+"""Prototype, kept as the record of kernel notes versions 21-22 (not part of the package): a persistent
 SPARSE forward over full mask blocks only, with Q/K/V/O through device-side TMA descriptors and
 Triton's warp specialisation on the outer (row) loop or the inner (key tile) loop. Even lengths, no
-key_lengths, head_dim = HEAD_DIM, bf16, mask block SB. Its outputs: v21_autows_forward_prototype.txt.
+key_lengths, head_dim = HEAD_DIM, bf16, mask block SB. Its outputs: v21_autows_forward_prototype.txt
+(version 21's variant table, LSE_MODE 0 and 1) and v22_lse_fix_prototype_*.txt (this table: LSE_MODE 2
+and 4, lse addresses apart from o's coordinates; env S and D set the shape).
 
     PYTHONPATH=/tmp/t36:. python <this file> compile            # Triton 3.6 for sm_90a, no GPU needed
     PYTHONPATH=. python <this file> gpu local butterfly random  # H100: checked against the production
@@ -62,6 +64,13 @@ def ws_fwd(Q, K, V, O, LSE, FULL_NUM, FULL_IDX,
         offs = bh * seq + m_start + tl.arange(0, BLOCK_M)
         if LSE_MODE == 1:  # lse stored before o
             tl.store(LSE + offs, lse)
+        if LSE_MODE == 2:  # pointer advanced per head, row index separately
+            tl.store(LSE + bh * seq + (m_start + tl.arange(0, BLOCK_M)), lse)
+        if LSE_MODE == 3:  # row offsets as a 2D column
+            rows2 = (m_start + tl.arange(0, BLOCK_M))[:, None]
+            tl.store(LSE + bh * seq + rows2, lse[:, None])
+        if LSE_MODE == 4:  # lse stored in a second O-like column... via tile index
+            tl.store(LSE + tile * BLOCK_M + tl.arange(0, BLOCK_M), lse)
         o_desc.store([bh * seq + m_start, 0], (acc / l_safe[:, None]).to(O.dtype.element_ty))
         if LSE_MODE == 0:
             tl.store(LSE + offs, lse)
@@ -69,10 +78,10 @@ def ws_fwd(Q, K, V, O, LSE, FULL_NUM, FULL_IDX,
 
 VARIANTS = {  # name: (BLOCK_M, BLOCK_N, warps, stages, ws_outer, ws_inner, inner_stages, programs per SM (0: one per tile), LSE_MODE)
     "persist-plain-64x64w4s3": (64, 64, 4, 3, False, False, 3, 2, 0),
-    "persist-wsouter-128x64w4s2": (128, 64, 4, 2, True, False, 2, 1, 0),
-    "persist-wsouter-128x64w4s2-lsefirst": (128, 64, 4, 2, True, False, 2, 1, 1),
-    "persist-wsouter-128x128w4s2": (128, 128, 4, 2, True, False, 2, 1, 0),
-    "persist-wsouter-128x128w4s2-lsefirst": (128, 128, 4, 2, True, False, 2, 1, 1),
+    "persist-wsouter-128x64w4s2-lse2": (128, 64, 4, 2, True, False, 2, 1, 2),
+    "persist-wsouter-128x64w4s3-lse2": (128, 64, 4, 3, True, False, 3, 1, 2),
+    "persist-wsouter-128x128w4s2-lse2": (128, 128, 4, 2, True, False, 2, 1, 2),
+    "persist-wsouter-128x128w4s2-lse4": (128, 128, 4, 2, True, False, 2, 1, 4),
 }
 
 
@@ -81,7 +90,7 @@ def compile_local(name):
     from triton.compiler import ASTSource
     bm, bn, warps, stages, wso, wsi, ist, per_sm, lse_mode = VARIANTS[name]
     fn = ws_fwd
-    constants = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=128, SB=128, NUM_PROGRAMS=132 * per_sm or 2048, WS_OUTER=wso, WS_INNER=wsi,
+    constants = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=int(os.environ.get('D', 128)), SB=128, NUM_PROGRAMS=132 * per_sm or 2048, WS_OUTER=wso, WS_INNER=wsi,
                      INNER_STAGES=ist, LSE_MODE=lse_mode)
     signature, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
@@ -143,7 +152,7 @@ def main_gpu():
 
     triton.set_allocator(lambda size, align, stream: torch.empty(size, device="cuda", dtype=torch.int8))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    B, H, S, D = 1, 16, 16384, 128
+    S, D = int(os.environ.get('S', 16384)), int(os.environ.get('D', 128)); H = 16 * 128 // D; B = 16384 // S
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qk_scale = D ** -0.5 * 1.4426950408889634
     dense = lambda: sparseflash.attention(q, k, v, make("dense", S, block=128), backend="triton")  # noqa: E731
