@@ -6,8 +6,8 @@ its instructions, tensor-core ops and register spills: the check behind kernel_n
                                                               # pip install --target /tmp/t36 triton==3.6.0
 
 A variant is KERNEL:KIND:HEAD_DIM:BMxBNwWARPSsSTAGES[:ragged], KERNEL fwd, pfwd (the persistent
-forward, for 132 SMs; KIND dense or sparse), bwd (both kinds of program in one launch), dkdv or dq; KIND dense, causal or sparse (128x128 mask blocks); ``ragged``
-compiles the EVEN_LENGTHS=False variant. Arguments are typed as the launcher passes them: bf16
+forward, for 132 SMs), bwd (both kinds of program in one launch), dkdv or dq; KIND dense, causal
+or sparse (128x128 mask blocks); ``ragged`` compiles the EVEN_LENGTHS=False variant. Arguments are typed as the launcher passes them: bf16
 tensors, the head-dim stride 1, other tensor strides divisible by 16.
 """
 

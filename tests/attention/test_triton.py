@@ -39,6 +39,12 @@ def _mask(kind: str, q_len: int, kv_len: int, heads: int):
         from sparseflash.masks import from_layout
 
         return from_layout(layout, block=32, q_len=q_len, kv_len=kv_len)
+    if kind == "causal-below-diagonal":  # causal, but only blocks wholly below the diagonal: no partial one
+        from sparseflash.masks import from_layout
+
+        n = -(-q_len // 32)
+        return from_layout(torch.ones(n, n, dtype=torch.bool).tril(-1), block=32, q_len=q_len, kv_len=kv_len,
+                           causal=True)
     raise ValueError(kind)
 
 
@@ -154,6 +160,7 @@ PERSISTENT_CASES = {
     "butterfly-s128-d32-gqa": ("butterfly", 128, 32, True, "contiguous", True),
     "random-per-head-s96-d16-mha": ("random-per-head", 96, 16, False, "contiguous", True),
     "empty-rows-s128-d16-mha": ("empty-rows", 128, 16, False, "contiguous", True),
+    "causal-below-diagonal-s128-d16-mha": ("causal-below-diagonal", 128, 16, False, "contiguous", True),
     "butterfly-s128-d32-bshd": ("butterfly", 128, 32, False, "bshd", True),  # heads side by side in a row
     "butterfly-s128-d32-misaligned": ("butterfly", 128, 32, False, "misaligned", False),  # TMA cannot read it
     "causal-s128-d16-gqa": ("causal", 128, 16, True, "contiguous", True),

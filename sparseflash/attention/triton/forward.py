@@ -329,8 +329,8 @@ def _attn_fwd_persistent(
     Triton's warp specialisation (Hopper, num_warps=4) splits the tile loop into a producer warp
     that loads and two consumer warpgroups of BLOCK_M / 2 rows each; the producer loads the next
     tile's Q while the consumers finish the current one."""
-    tl.static_assert(not HAS_KEY_LENGTHS and not D_PADDED and (MASK_KIND == 1 or not IS_CAUSAL),
-                     "the persistent forward takes even lengths, unpadded heads and no partial block")
+    tl.static_assert(not HAS_KEY_LENGTHS and not D_PADDED,
+                     "the persistent forward takes no key_lengths and unpadded heads only")
     q_desc = row_view(Q, q_rows, stride_qm, BLOCK_M, HEAD_DIM)
     k_desc = row_view(K, k_rows, stride_kn, BLOCK_N, HEAD_DIM)
     v_desc = row_view(V, v_rows, stride_vn, BLOCK_N, HEAD_DIM)
@@ -413,8 +413,10 @@ class KernelInputs:
 
     def _persistent_fits(self, q: torch.Tensor, mask: BlockMask) -> bool:
         """Whether the persistent forward can take this problem on this device: DENSE or CAUSAL with
-        lengths that 128-row tiles divide, or SPARSE without partial blocks; no key_lengths, an unpadded head dim and fp16/bf16 (the launch also checks the layouts:
-        ``row_view_rows``). Not bf16 under the interpreter, whose TMA loads corrupt bf16 (Triton 3.9)."""
+        lengths that 128-row tiles divide, or SPARSE without partial blocks (IS_CAUSAL then changes
+        nothing: its full blocks need no element mask); no key_lengths, an unpadded head dim and
+        fp16/bf16 (the launch also checks the layouts: ``row_view_rows``). Not bf16 under the
+        interpreter, whose TMA loads corrupt bf16 (Triton 3.9)."""
         if self.kind is MaskKind.SPARSE:
             even_tiles = not bool(mask.partial_layout.any())
         else:
