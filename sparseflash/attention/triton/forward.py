@@ -325,7 +325,7 @@ def _attn_fwd_persistent(
 ):
     """The forward of DENSE and CAUSAL masks whose tiles divide the lengths and of SPARSE masks without
     partial blocks, as NUM_PROGRAMS programs that each take every NUM_PROGRAMS-th (batch x head,
-    query tile), with Q, K, V, O moved by TMA.
+    query tile), with Q, K, V (and, for DENSE and CAUSAL, O) moved by TMA.
     Triton's warp specialisation (Hopper, num_warps=4) splits the tile loop into a producer warp
     that loads and two consumer warpgroups of BLOCK_M / 2 rows each; the producer loads the next
     tile's Q while the consumers finish the current one."""
@@ -364,8 +364,12 @@ def _attn_fwd_persistent(
             full_idx, q_start, qk_scale, WALK_TABLES, CAUSAL, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N, DOT_PRECISION,
             WIDEN_DOTS)
         o, lse = finish_rows(acc, l_i, m_i)
-        o_row, o_col = row_view_coords(b, h, q_start, stride_ob, stride_oh, stride_om)
-        o_desc.store([o_row, o_col], o.to(O.dtype.element_ty))
+        if WALK_TABLES:  # rows of few tiles: o straight from registers, not waiting for a TMA store
+            o_offs = (q_start + tl.arange(0, BLOCK_M))[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
+            tl.store(O + (b.to(tl.int64) * stride_ob + h * stride_oh) + o_offs, o.to(O.dtype.element_ty))
+        else:
+            o_row, o_col = row_view_coords(b, h, q_start, stride_ob, stride_oh, stride_om)
+            o_desc.store([o_row, o_col], o.to(O.dtype.element_ty))
         # lse's addresses share no value with o's coordinates: Triton 3.6-3.9's warp specialisation
         # offsets such a shared value by the second consumer's first row and then adds that
         # consumer's row range to it again, writing its lse BLOCK_M / 2 rows too far (kernel_notes.md,
