@@ -1,3 +1,4 @@
+# Ran against a prototype with a constexpr O_BY_TMA (both stores in one kernel) and a module flag O_BY_TMA_DEFAULT in forward.py (commit 1b6ca3a keeps the plain store for SPARSE only).
 """Persistent forward: o through TMA (descriptor store, consumers wait for it) vs a plain tl.store."""
 import functools, os, statistics, sys
 os.environ["SPARSEFLASH_PERSISTENT"] = "1"
