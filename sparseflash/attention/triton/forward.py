@@ -370,7 +370,7 @@ def _attn_fwd_persistent(
         else:
             o_row, o_col = row_view_coords(b, h, q_start, stride_ob, stride_oh, stride_om)
             o_desc.store([o_row, o_col], o.to(O.dtype.element_ty))
-        # lse's addresses share no value with o's coordinates: Triton 3.6-3.9's warp specialisation
+        # lse's addresses share no value with o's TMA coordinates: Triton 3.6-3.9's warp specialisation
         # offsets such a shared value by the second consumer's first row and then adds that
         # consumer's row range to it again, writing its lse BLOCK_M / 2 rows too far (kernel_notes.md,
         # version 22).
