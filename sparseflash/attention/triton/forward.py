@@ -366,7 +366,7 @@ def _attn_fwd_persistent(
         o, lse = finish_rows(acc, l_i, m_i)
         if WALK_TABLES:  # rows of few tiles: o straight from registers, not waiting for a TMA store
             o_offs = (q_start + tl.arange(0, BLOCK_M))[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
-            tl.store(O + (b.to(tl.int64) * stride_ob + h * stride_oh) + o_offs, o.to(O.dtype.element_ty))
+            tl.store(O + (b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh) + o_offs, o.to(O.dtype.element_ty))
         else:
             o_row, o_col = row_view_coords(b, h, q_start, stride_ob, stride_oh, stride_om)
             o_desc.store([o_row, o_col], o.to(O.dtype.element_ty))
