@@ -1,4 +1,4 @@
-"""One GPU call's worth of kernel work: ceilings, then triton vs peers on the issue's grid.
+"""Kernel work on a GPU: the matmul and copy ceilings, then the Triton kernels against the peers.
 
     PYTHONPATH=. python scripts/kernel_probe.py [--dims 128 64] [--modes fwd fwdbwd]
     PYTHONPATH=. python scripts/kernel_probe.py --sweep --dims 128 --seqs 1024 --patterns dense random
@@ -8,8 +8,8 @@ taking turns in rounds) of sparseflash-triton, FlexAttention and SDPA, triton's 
 (density-weighted) and the ratios.
 ``--sweep`` instead times every kernel (forward, and backward or dkdv and dq) of one fwd+bwd call over a wide grid of
 tile configs (taking turns), next to the one the tuner chose, and prints a CUDA-kernel profile of the call for
-sparseflash-triton and FlexAttention. A quick loop for kernel tuning; the benchmark harness
-(experiments/bench.py) is the record.
+sparseflash-triton and FlexAttention. A quick loop for kernel work (docs/kernels.md); the benchmark
+harness (experiments/bench.py) is the record.
 """
 
 import argparse
@@ -23,7 +23,7 @@ from triton.testing import do_bench
 
 import sparseflash
 from sparseflash.attention.baselines import Unsupported, flex_attention, sdpa_attention, to_flex_block_mask
-from sparseflash.attention.triton import configs
+from sparseflash.attention.triton import tuning
 from sparseflash.masks import make
 from sparseflash.timing import interleaved_times
 
@@ -91,38 +91,21 @@ def profile_kernels(step, label: str) -> None:
     print(f"  {label:7} {sum(us for us, _, _ in kernels):9.1f} us  total")
 
 
-def captured_launches(step) -> dict:
-    """Run ``step`` (sparseflash calls) and return, per kernel it launched, the config key and the
-    launch closure (a function of the tile config), to launch that kernel again on its own."""
-    captured = {}
-    tuned = configs.run_tuned
-
-    def capture(kernel, key, launch):
-        captured[kernel] = (key, launch)
-        return tuned(kernel, key, launch)
-
-    configs.run_tuned = capture
-    try:
-        step()
-    finally:
-        configs.run_tuned = tuned
-    return captured
-
-
 def sweep(q, k, v, mask, flex_mask, kernels, only=None) -> None:
     """Time every SWEEP_GRID config (or the ``only`` list of (block_m, block_n, warps, stages)) of
     each of ``kernels`` that one fwd+bwd call launches; profile FlexAttention's call too unless
     ``flex_mask`` is None."""
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
     do = torch.randn_like(q)
-    captured = captured_launches(lambda: sparseflash.attention(*leaves, mask, backend="triton").backward(do))
-    for kernel, (key, launch) in captured.items():
+    with tuning.recording() as launched:
+        sparseflash.attention(*leaves, mask, backend="triton").backward(do)
+    for entry in launched:
+        kernel, key, chosen = entry.kernel, entry.key, entry.config
         if kernel not in kernels:
             continue
-        chosen = configs._chosen[kernel, key]
-        options = list(dict.fromkeys(configs.fit(kernel, configs.KernelConfig(*row), key)
+        options = list(dict.fromkeys(tuning.fit(kernel, tuning.KernelConfig(*row), key)
                                      for row in only or itertools.product(*SWEEP_GRID[kernel])))
-        times = interleaved_times([functools.partial(launch, cfg) for cfg in options], 2, 50, 10,
+        times = interleaved_times([functools.partial(entry.relaunch, cfg) for cfg in options], 2, 50, 10,
                                   catch=(Exception,))  # out of shared memory or registers
         timings = {}
         for cfg, t in zip(options, times):
@@ -188,5 +171,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-    for (kernel, key), cfg in configs._chosen.items():
-        print(f"tuned: {kernel}|{key}", cfg)

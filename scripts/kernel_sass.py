@@ -1,9 +1,9 @@
 """Compile one kernel variant for sm_90a on this machine (no GPU needed) and count, per inner loop,
-its instructions, tensor-core ops and register spills: the check behind kernel_notes.md version 13.
+its instructions, tensor-core ops and register spills (docs/kernels.md shows what to look for).
 
     PYTHONPATH=. python scripts/kernel_sass.py bwd:dense:128:128x64w8s3 bwd:causal:128:128x64w8s3:ragged
-    PYTHONPATH=/tmp/t36:. python scripts/kernel_sass.py ...   # Triton 3.6 as on the device:
-                                                              # pip install --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=t36:. python scripts/kernel_sass.py ...   # another Triton, e.g. 3.6:
+                                                         # pip install --target t36 triton==3.6.0
 
 A variant is KERNEL:KIND:HEAD_DIM:BMxBNwWARPSsSTAGES[:ragged], KERNEL fwd, pfwd (the persistent
 forward, for 132 SMs), bwd (both kinds of program in one launch), dkdv or dq; KIND dense, causal
@@ -21,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sparseflash.attention.triton import backward, forward
+from sparseflash.attention.triton import backward, forward, forward_persistent
 
 KINDS = {"dense": (0, False), "causal": (1, True), "sparse": (2, False)}
 PROGRAMS = {"bwd": 0, "dkdv": 1, "dq": 2}
@@ -33,7 +33,7 @@ def compile_variant(spec: str):
     kernel, kind, head_dim, tiles, *rest = spec.split(":")
     bm, bn, warps, stages = map(int, re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", tiles).groups())
     mask_kind, causal = KINDS[kind]
-    fn = {"fwd": forward._attn_fwd, "pfwd": forward._attn_fwd_persistent}.get(kernel, backward._attn_bwd)
+    fn = {"fwd": forward._attn_fwd, "pfwd": forward_persistent._attn_fwd_persistent}.get(kernel, backward._attn_bwd)
     constants = dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, HAS_KEY_LENGTHS=False, BLOCK_M=bm, BLOCK_N=bn,
                      SPARSE_BLOCK_M=128, SPARSE_BLOCK_N=128, HEAD_DIM=int(head_dim), D_PADDED=False,
                      DOT_PRECISION="ieee", WIDEN_DOTS=False,

@@ -1,7 +1,7 @@
 """Timing GPU callables against each other: the tuner's candidate configs, the benchmark's backends.
 
 An H100 under load drifts by several per cent within seconds (its clocks follow power and
-temperature): kernel_notes.md, version 19, timed one backward config 3.25-3.65 ms in rounds a
+temperature): one backward config timed 3.25-3.65 ms in rounds a
 second apart. Timing one callable for 300 ms and then the next lets that drift decide gaps of
 1-2 %. Here the callables take turns instead: each round gives each of them one short
 ``triton.testing.do_bench`` run (the L2 cache flushed before every call), in reverse order every

@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sparseflash.data import TaskData, build_task, collate
 from sparseflash.logging import RunLogger
-from sparseflash.masks import import_patterns
+from sparseflash.masks import MaskSpec, import_patterns
 from sparseflash.models import build_model
 
 
@@ -346,7 +346,7 @@ def _run(cfg: DictConfig, tr: DictConfig, ctx: Dist, run_dir) -> dict:
     if logger.wandb is not None:
         wandb_id = logger.wandb.run.id
 
-    mask = module.encoder.attention_mask(task.max_len)
+    mask = MaskSpec.from_config(cfg.attention, other_keys=("backend",)).build(task.max_len, heads=cfg.model.heads)
     density = float(mask.density) if hasattr(mask, "density") else 1.0
     if ctx.main:
         print(f"task {task.name}: {len(task.train)} train / {len(task.val)} val / {len(task.test)} test, "

@@ -142,14 +142,14 @@ def test_gate_refuses_a_wrong_backend(tmp_path, monkeypatch):
 def test_rows_record_the_tuned_kernel_configs(tmp_path, monkeypatch):
     """A row that runs the Triton kernels names the config each kernel launched with; others leave it empty."""
     from sparseflash.attention import attention
-    from sparseflash.attention.triton import configs
+    from sparseflash.attention.triton import tuning
 
     used = []
 
     def tuned(q, k, v, mask, ctx):  # the blocked kernels' answer, launched through the tuning table
         def fwd():
             for kernel in ("forward", "backward"):
-                used.append(configs.run_tuned(kernel, configs.ConfigKey.of(q, mask, 16), lambda cfg: None))
+                used.append(tuning.run_tuned(kernel, tuning.ConfigKey.of(q, mask, 16), lambda cfg: None))
             return attention(q, k, v, mask, backend="blocked")
         return fwd
 

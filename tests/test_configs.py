@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import sparseflash
-from sparseflash.models import mask_spec
+from sparseflash.masks import MaskSpec
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 EXPERIMENTS = [None, "smoke", "lra/listops", "lra/pathfinder", "lra/image", "lra/text", "lra/retrieval"]
@@ -34,9 +34,7 @@ def test_preset_times_attention(experiment, attention, tmp_path):
     cfg = compose_train(overrides)
     OmegaConf.resolve(cfg)
     assert cfg.attention.pattern in sparseflash.masks.registered()
-    spec = mask_spec(cfg.attention)
-    mask = sparseflash.masks.make(spec["pattern"], 512, block=spec["block"], causal=spec["causal"],
-                                  heads=cfg.model.heads if spec["per_head"] else None, **spec["params"])
+    mask = MaskSpec.from_config(cfg.attention, other_keys=("backend",)).build(512, heads=cfg.model.heads)
     assert 0 < mask.density <= 1
     assert cfg.model.dim % cfg.model.heads == 0
     assert cfg.task.name in ("listops", "pathfinder", "image", "text", "retrieval")
@@ -60,8 +58,8 @@ def test_any_registered_pattern_by_name(pattern):
     cfg = compose_train([f"attention.pattern={pattern}"])  # the default's (butterfly's) params are left over
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        spec = mask_spec(cfg.attention)
-    sparseflash.masks.make(spec["pattern"], 256, block=spec["block"], **spec["params"])
+        spec = MaskSpec.from_config(cfg.attention, other_keys=("backend",))
+    assert spec.pattern == pattern and spec.build(256).q_len == 256
 
 
 def test_pattern_params_from_the_command_line():

@@ -10,14 +10,13 @@ import torch
 
 from sparseflash.attention.blocked import blocked_attention
 from sparseflash.attention.reference import reference_attention
-from sparseflash.masks import BlockMask, make
+from sparseflash.masks import DEFAULT_BLOCK, BlockMask, make
 
-MaskSpec = Union[None, str, BlockMask]
+MaskArg = Union[None, str, BlockMask]
 Backend = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-DEFAULT_BLOCK = 128  # mask block of the masks built for mask=None and mask="causal"
 
 
 def _triton_attention(q, k, v, mask, key_lengths, scale):
@@ -47,8 +46,9 @@ def _standard_mask(name: str, q_len: int, kv_len: int) -> BlockMask:
     return make(name, q_len, kv_len, block=DEFAULT_BLOCK)
 
 
-def resolve_mask(mask: MaskSpec, q_len: int, kv_len: int, heads: int) -> BlockMask:
-    """``None`` (dense), ``"causal"`` or a ``BlockMask`` -> a ``BlockMask`` checked against the shapes."""
+def resolve_mask(mask: MaskArg, q_len: int, kv_len: int, heads: int, kv_heads: int | None = None) -> BlockMask:
+    """``None`` (dense), ``"causal"`` or a ``BlockMask`` -> a ``BlockMask`` checked against the shapes
+    (``kv_heads``, when given, lets the error spot inputs passed as (B, S, H, D))."""
     if mask is None:
         return _standard_mask("dense", q_len, kv_len)
     if isinstance(mask, str):
@@ -61,9 +61,13 @@ def resolve_mask(mask: MaskSpec, q_len: int, kv_len: int, heads: int) -> BlockMa
     if not isinstance(mask, BlockMask):
         raise ValueError(f"mask must be None, 'causal' or a BlockMask; got {type(mask).__name__}")
     if (mask.q_len, mask.kv_len) != (q_len, kv_len):
+        hint = ""
+        if (mask.q_len, mask.kv_len) == (heads, kv_heads):
+            hint = ("; the inputs look like (B, S, H, D): attention takes (B, H, S, D), "
+                    "e.g. q.transpose(1, 2)")
         raise ValueError(
             f"mask was built for q_len={mask.q_len}, kv_len={mask.kv_len}; "
-            f"the inputs have S_q={q_len}, S_kv={kv_len}"
+            f"the inputs have S_q={q_len}, S_kv={kv_len}{hint}"
         )
     if mask.num_heads not in (1, heads):
         raise ValueError(f"mask has {mask.num_heads} heads; expected 1 or H={heads}")
@@ -112,6 +116,10 @@ def _check_inputs(q, k, v, key_lengths, scale) -> float:
             raise ValueError(f"key_lengths must be an integer tensor of shape ({batch},); got {got}")
         if key_lengths.device != q.device:
             raise ValueError(f"key_lengths must be on {q.device}; got {key_lengths.device}")
+        # On the CPU the values are checked too; on a GPU that would cost a device sync per call.
+        if key_lengths.device.type == "cpu" and not torch.compiler.is_compiling() and not (
+                0 <= int(key_lengths.min()) and int(key_lengths.max()) <= kv_len):
+            raise ValueError(f"key_lengths must lie in [0, S_kv={kv_len}]; got {key_lengths.tolist()}")
     if scale is None:
         return 1.0 / math.sqrt(dim)
     if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
@@ -123,7 +131,7 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: MaskSpec = None,
+    mask: MaskArg = None,
     *,
     key_lengths: torch.Tensor | None = None,
     scale: float | None = None,
@@ -137,7 +145,8 @@ def attention(
             dtype (float16, bfloat16 or float32) and device; ``1 <= D <= 256``.
         mask: ``None`` (dense), ``"causal"`` or a ``BlockMask`` built for ``(S_q, S_kv)`` with
             1 or H heads. Causal masks align at the top left: query ``i`` sees keys ``<= i``.
-        key_lengths: optional int ``(B,)``; keys at index ``>= key_lengths[b]`` are masked.
+        key_lengths: optional int ``(B,)`` with values in ``[0, S_kv]``; keys at index
+            ``>= key_lengths[b]`` are masked (checked on the CPU; not on a GPU, where it would sync).
         scale: softmax scale, default ``1/sqrt(D)``.
         backend: ``auto`` (``triton`` on CUDA, ``blocked`` elsewhere), ``triton``, ``blocked``
             or ``reference``.
@@ -157,6 +166,6 @@ def attention(
             return attention(q, k, v, mask, key_lengths=key_lengths, scale=scale, backend=backend,
                              return_lse=return_lse)
     scale = _check_inputs(q, k, v, key_lengths, scale)
-    mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1])
+    mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1], k.shape[1])
     o, lse = BACKENDS[resolve_backend(backend, q.device)](q, k, v, mask, key_lengths, scale)
     return (o, lse) if return_lse else o

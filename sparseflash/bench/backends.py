@@ -15,10 +15,14 @@ import torch
 
 from sparseflash.attention import attention, resolve_backend
 from sparseflash.attention import baselines
-from sparseflash.bench.spec import reference_bytes
 from sparseflash.masks import BlockMask, MaskKind
 
 Builder = Callable[..., Callable[[], torch.Tensor]]
+
+
+def reference_bytes(batch: int, heads: int, q_len: int, kv_len: int) -> float:
+    """Rough memory of the reference (fp32 scores, probabilities and a temporary: ~3 score matrices)."""
+    return 3.0 * 4 * batch * heads * q_len * kv_len
 
 
 @dataclass(frozen=True)

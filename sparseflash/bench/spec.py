@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from sparseflash import masks
+from sparseflash.bench.backends import REGISTRY
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
           "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16,
@@ -30,21 +31,23 @@ def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: i
     return 4.0 * batch * heads * q_len * kv_len * head_dim * density * FLOP_FACTOR[mode]
 
 
-def reference_bytes(batch: int, heads: int, q_len: int, kv_len: int) -> float:
-    """Rough memory of the reference (fp32 scores, probabilities and a temporary: ~3 score matrices)."""
-    return 3.0 * 4 * batch * heads * q_len * kv_len
-
-
 @dataclass(frozen=True)
 class PatternSpec:
-    """A registered pattern with its parameters; ``label`` names it in rows and plots."""
+    """A mask of the sweep, its block left to the sweep's ``block``; ``label`` names it in rows and plots."""
 
-    name: str
-    params: tuple[tuple[str, Any], ...] = ()
-    label: str = ""
+    mask: masks.MaskSpec
+    label: str
+
+    @property
+    def name(self) -> str:
+        return self.mask.pattern
+
+    @property
+    def params(self) -> tuple:
+        return self.mask.params
 
     def make(self, seq_len: int, block: int, heads: int) -> masks.BlockMask:
-        return masks.make(self.name, seq_len, block=block, heads=heads, **dict(self.params))
+        return dataclasses.replace(self.mask, block=block).build(seq_len, heads=heads)
 
     @property
     def params_json(self) -> str:
@@ -88,15 +91,11 @@ def parse_patterns(entries: Any, defaults: Mapping[str, Mapping] | None = None) 
                 raise ValueError(f"pattern entry {entry!r}: unknown keys {sorted(unknown)} (use name, params, label)")
         else:
             raise ValueError(f"a pattern is a name or {{name: ..., params: {{...}}}}; got {entry!r}")
-        pattern = masks.get(name)  # raises on an unknown name, listing the registered ones
-        params = {**dict(defaults.get(name) or {}), **params}
-        bad = set(params) - set(pattern.params)
-        if bad:
-            raise ValueError(f"pattern {name!r} takes parameters {pattern.params}; got {sorted(bad)}")
-        items = tuple(sorted(params.items()))
+        # checked here: an unknown name lists the registered ones, an unknown parameter the pattern's
+        mask = masks.MaskSpec(name, {**dict(defaults.get(name) or {}), **params}, per_head=True)
         if label is None:
-            label = name + ("(" + ",".join(f"{k}={v}" for k, v in items) + ")" if items else "")
-        out.append(PatternSpec(name, items, str(label)))
+            label = name + ("(" + ",".join(f"{k}={v}" for k, v in mask.params) + ")" if mask.params else "")
+        out.append(PatternSpec(mask, str(label)))
     labels = [p.label for p in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"pattern labels must be unique; got {labels} (give entries a label)")
@@ -142,7 +141,7 @@ class BenchConfig:
     heads: int | None = None  # default hidden // head_dim
     head_dims: list[int] = field(default_factory=lambda: [128])
     dtypes: list[str] = field(default_factory=lambda: ["bf16"])
-    block: int = 128
+    block: int = masks.DEFAULT_BLOCK
     patterns: list[PatternSpec] = field(default_factory=lambda: parse_patterns(["dense", "causal"]))
     backends: list[str] = field(default_factory=lambda: ["sparseflash"])
     modes: list[str] = field(default_factory=lambda: ["fwd"])
@@ -160,8 +159,6 @@ class BenchConfig:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "BenchConfig":
-        from sparseflash.bench.backends import REGISTRY
-
         cfg = dict(_plain(cfg) or {})
         known = {f.name for f in dataclasses.fields(cls)} | {"head_dim", "dtype", "pattern_params", "logger"}
         ignored = {"hydra", "bench", "name", "import_patterns"}  # import_patterns: used by run()

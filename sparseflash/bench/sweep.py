@@ -10,6 +10,7 @@ then timed together, taking turns (``measure.time_steps``). Derived columns (``s
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
@@ -18,8 +19,8 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from sparseflash.bench import measure
-from sparseflash.bench.backends import REGISTRY, UNSUPPORTED, Context
-from sparseflash.bench.spec import DTYPES, BenchConfig, attention_flops, reference_bytes
+from sparseflash.bench.backends import REGISTRY, UNSUPPORTED, Context, reference_bytes
+from sparseflash.bench.spec import DTYPES, BenchConfig, attention_flops
 from sparseflash.masks import BlockMask
 
 KEY = ("mode", "head_dim", "dtype", "seq_len")
@@ -90,17 +91,11 @@ def prepare_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: Bloc
     if reason:
         row.update(status="skipped", reason=reason)
         return None
-    kernel_configs = None
-    if row["impl"] == "triton":  # record the tuned tile configs this row runs with
-        from sparseflash.attention.triton import configs as kernel_configs
-
-        kernel_configs.launched.clear()
     try:
         fwd = backend.build(q, k, v, mask, ctx)
-        (o, dgrads), row["first_call_ms"] = measure.wall_ms(lambda: measure.run_once(fwd, mode, q, k, v, do),
-                                                            ctx.device)
-        if kernel_configs is not None:
-            row["kernel_configs"] = kernel_configs.launched_summary()
+        with _kernel_configs(row):
+            (o, dgrads), row["first_call_ms"] = measure.wall_ms(lambda: measure.run_once(fwd, mode, q, k, v, do),
+                                                                ctx.device)
         if cfg.check.enabled:
             against, expected = trusted.get(backend_name)
             row["check_against"] = against
@@ -124,6 +119,20 @@ def prepare_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: Bloc
         if row.get("status"):
             _free(ctx.device)
     return None
+
+
+@contextlib.contextmanager
+def _kernel_configs(row: dict):
+    """Record in ``row["kernel_configs"]`` the tile configs the Triton kernels launched with inside the
+    block (rows that run them only: triton is imported only then)."""
+    if row["impl"] != "triton":
+        yield
+        return
+    from sparseflash.attention.triton import tuning
+
+    with tuning.recording() as launched:
+        yield
+    row["kernel_configs"] = tuning.summary(launched)
 
 
 def _record_failure(row: dict, err: BaseException) -> None:

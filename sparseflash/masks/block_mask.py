@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 MIN_BLOCK, MAX_BLOCK = 16, 256
+DEFAULT_BLOCK = 128  # the mask block wherever none is given
 
 
 class MaskKind(enum.Enum):
@@ -110,7 +111,7 @@ class BlockMask:
     def __init__(
         self,
         layout: torch.Tensor,
-        block_size: int | tuple[int, int] = 128,
+        block_size: int | tuple[int, int] = DEFAULT_BLOCK,
         q_len: int | None = None,
         kv_len: int | None = None,
         causal: bool = False,

@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from sparseflash.masks.block_mask import BlockMask, normalize_block_size
+from sparseflash.masks.block_mask import DEFAULT_BLOCK, BlockMask, normalize_block_size
 
 PatternFn = Callable[..., torch.Tensor]
 
@@ -120,7 +120,7 @@ def make(
     name: str,
     q_len: int,
     kv_len: int | None = None,
-    block: int | tuple[int, int] = 128,
+    block: int | tuple[int, int] = DEFAULT_BLOCK,
     heads: int | None = None,
     causal: bool = False,
     **params,
@@ -151,7 +151,7 @@ def make(
 
 def from_layout(
     layout: torch.Tensor,
-    block: int | tuple[int, int] = 128,
+    block: int | tuple[int, int] = DEFAULT_BLOCK,
     q_len: int | None = None,
     kv_len: int | None = None,
     causal: bool = False,
@@ -164,7 +164,7 @@ def from_block_fn(
     fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     q_len: int,
     kv_len: int | None = None,
-    block: int | tuple[int, int] = 128,
+    block: int | tuple[int, int] = DEFAULT_BLOCK,
     heads: int | None = None,
     causal: bool = False,
 ) -> BlockMask:

@@ -11,14 +11,13 @@ the number of distinct lengths (and hence of masks built) stays small.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from sparseflash.attention import SparseAttention
-from sparseflash.masks import get as get_pattern
+from sparseflash.masks import MaskSpec
 
 
 def sinusoidal_positions(length: int, dim: int) -> torch.Tensor:
@@ -55,7 +54,7 @@ class Encoder(nn.Module):
             ``(id - 1) / 255``; for image tasks whose ids are ``pixel + 1``).
         positions: ``learned`` or ``sinusoidal``; max_len: the longest input (without CLS).
         pool: ``cls`` or ``mean`` (over valid tokens).
-        mask: the attention mask spec of ``SparseAttention`` (pattern dict); backend: its backend.
+        mask: the attention mask of ``SparseAttention`` (a ``MaskSpec`` or its fields); backend: its backend.
     """
 
     def __init__(self, vocab_size: int, max_len: int, dim: int = 64, depth: int = 2, heads: int = 4,
@@ -110,12 +109,6 @@ class Encoder(nn.Module):
         weights = valid.to(h.dtype)[..., None]
         return (h * weights).sum(1) / weights.sum(1).clamp_min(1.0)
 
-    def attention_mask(self, seq_len: int):
-        """The mask the first block uses for an input of ``seq_len`` tokens (after CLS, padding)."""
-        total = seq_len + (self.cls is not None)
-        total = -(-total // self.pad_multiple) * self.pad_multiple
-        return self.blocks[0].attn.mask_for(total) if len(self.blocks) else None
-
 
 class Classifier(nn.Module):
     """``Encoder`` + LRA's head (Dense(mlp_dim) -> ReLU -> Dense(num_classes))."""
@@ -144,34 +137,13 @@ class DualEncoderClassifier(nn.Module):
         return self.head(torch.cat([u, v, u * v, u - v], dim=-1))
 
 
-def mask_spec(attention_cfg: Mapping[str, Any]) -> dict:
-    """The ``SparseAttention`` mask spec of an ``attention`` config (pattern, block, causal,
-    per_head, params). Params the pattern does not take (left over when only ``attention.pattern``
-    is changed on the command line) are dropped with a warning; an unknown pattern raises."""
-    name = str(attention_cfg.get("pattern", "dense"))
-    params = dict(attention_cfg.get("params") or {})
-    accepted = set(get_pattern(name).params)
-    dropped = sorted(set(params) - accepted)
-    if dropped:  # e.g. butterfly's params left over after attention.pattern=local on the command line
-        warnings.warn(f"attention.params {dropped} are not parameters of pattern {name!r} "
-                      f"(it takes {sorted(accepted)}); ignoring them")
-        params = {k: v for k, v in params.items() if k in accepted}
-    return {
-        "pattern": name,
-        "block": int(attention_cfg.get("block", 128)),
-        "causal": bool(attention_cfg.get("causal", False)),
-        "per_head": bool(attention_cfg.get("per_head", False)),
-        "params": params,
-    }
-
-
 def build_model(model_cfg: Mapping[str, Any], attention_cfg: Mapping[str, Any], *, vocab_size: int,
                 max_len: int, num_classes: int, pair: bool = False) -> nn.Module:
     """The classifier (or dual encoder when ``pair``) described by the ``model`` and
     ``attention`` configs for a task with the given vocabulary, length and classes."""
     dim, mlp_dim = int(model_cfg["dim"]), int(model_cfg["mlp_dim"])
-    spec = mask_spec(attention_cfg)
-    pad_multiple = model_cfg.get("pad_multiple") or spec["block"]
+    spec = MaskSpec.from_config(attention_cfg, other_keys=("backend",))
+    pad_multiple = model_cfg.get("pad_multiple") or max(spec.block_size)
     encoder = Encoder(vocab_size, max_len, dim=dim, depth=int(model_cfg["depth"]), heads=int(model_cfg["heads"]),
                       mlp_dim=mlp_dim, dropout=float(model_cfg.get("dropout", 0.0)),
                       embedding=str(model_cfg.get("embedding", "token")),

@@ -101,15 +101,20 @@ def test_bad_construction_and_specs():
         SparseAttention(30, 4)
     with pytest.raises(ValueError, match=r"got dim=32, heads=4, kv_heads=3"):
         SparseAttention(32, 4, kv_heads=3)
-    module = SparseAttention(DIM, HEADS, mask={"pattern": "local", "size": 2})
+    # a bad mask spec fails where the module is built, not at its first forward
     with pytest.raises(ValueError, match=r"a mask spec needs 'pattern' and may set .*; got keys \['pattern', 'size'\]"):
-        module(torch.randn(1, 20, DIM))
-    module = SparseAttention(DIM, HEADS, mask={"block": 16})
+        SparseAttention(DIM, HEADS, mask={"pattern": "local", "size": 2})
     with pytest.raises(ValueError, match=r"got keys \['block'\]"):
-        module(torch.randn(1, 20, DIM))
+        SparseAttention(DIM, HEADS, mask={"block": 16})
+    with pytest.raises(ValueError, match=r"unknown pattern 'no-such-pattern'"):
+        SparseAttention(DIM, HEADS, mask="no-such-pattern")
+    with pytest.raises(ValueError, match=r"pattern 'local' takes parameters \['window'\]; got \['size'\]"):
+        SparseAttention(DIM, HEADS, mask=sparseflash.masks.MaskSpec("local", {"size": 2}))
+    with pytest.raises(ValueError, match=r"SPARSE_BLOCK_M must be a power of two"):
+        SparseAttention(DIM, HEADS, mask={"pattern": "local", "block": 48})
     module = SparseAttention(DIM, HEADS, mask=make("dense", 64, block=16))  # built for another length
     with pytest.raises(ValueError, match=r"mask was built for q_len=64, kv_len=64; the inputs have S_q=20, S_kv=20"):
         module(torch.randn(1, 20, DIM))
-    module = SparseAttention(DIM, HEADS, mask="no-such-pattern")
-    with pytest.raises(ValueError, match=r"unknown pattern 'no-such-pattern'"):
-        module(torch.randn(1, 20, DIM))
+    module = SparseAttention(DIM, HEADS)
+    with pytest.raises(ValueError, match=r"SparseAttention\(dim=32\) takes x of shape \(B, S, 32\); got \(1, 20, 16\)"):
+        module(torch.randn(1, 20, 16))

@@ -188,17 +188,18 @@ def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:
 def test_persistent_forward_matches_reference(case, monkeypatch):
     """SPARSEFLASH_PERSISTENT=1: the persistent forward where it applies (then the backward), against
     the reference; the problems it cannot take fall back to the other kernel."""
-    from sparseflash.attention.triton import configs
+    from sparseflash.attention.triton import tuning
 
     kind, seq_len, dim, gqa, layout, persistent = PERSISTENT_CASES[case]
     monkeypatch.setenv("SPARSEFLASH_PERSISTENT", "1")
-    monkeypatch.setattr(configs, "_chosen", {})
+    tuning.forget()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, do = (_layout(x, layout) for x in _inputs(2, 4, 2 if gqa else 4, seq_len, seq_len, dim,
                                                           torch.float16, device))
     mask = _mask(kind, seq_len, seq_len, 4)
-    got = attention_with_grads("triton", q, k, v, mask, do)
-    assert configs.launched["forward"].persistent is persistent
+    with tuning.recording() as launched:
+        got = attention_with_grads("triton", q, k, v, mask, do)
+    assert launched[0].kernel == "forward" and launched[0].config.persistent is persistent
     want = attention_with_grads("reference", q, k, v, mask, do)
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
         assert_close(a, b, TOL[torch.float16], name)
@@ -211,17 +212,18 @@ def test_persistent_forward_matches_reference(case, monkeypatch):
 def test_persistent_forward_not_taken(dtype, key_lengths, monkeypatch):
     """key_lengths keep the other kernel, and so does bf16 under the interpreter (whose TMA loads
     corrupt bf16); on a Hopper GPU bf16 takes the persistent one."""
-    from sparseflash.attention.triton import configs
+    from sparseflash.attention.triton import forward_persistent, tuning
 
     monkeypatch.setenv("SPARSEFLASH_PERSISTENT", "1")
-    monkeypatch.setattr(configs, "_chosen", {})
+    tuning.forget()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, do = _inputs(2, 4, 4, 128, 128, 16, dtype, device)
     lengths = torch.tensor([100, 128], device=device) if key_lengths else None
     mask = _mask("butterfly", 128, 128, 4)
-    got = attention_with_grads("triton", q, k, v, mask, do, lengths)
-    on_hopper = device == "cuda" and configs.persistent_supported(q.device)
-    assert configs.launched["forward"].persistent is (on_hopper and not key_lengths)
+    with tuning.recording() as launched:
+        got = attention_with_grads("triton", q, k, v, mask, do, lengths)
+    on_hopper = device == "cuda" and forward_persistent._supported(q.device)
+    assert launched[0].config.persistent is (on_hopper and not key_lengths)
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got,
                           attention_with_grads("reference", q, k, v, mask, do, lengths)):
         assert_close(a, b, TOL[dtype], name)
@@ -304,15 +306,16 @@ def test_gpu_relaunch_across_layouts():
 def test_gpu_persistent_forward(pattern, dim, dtype, layout, monkeypatch):
     """The persistent, warp-specialised forward (SPARSEFLASH_PERSISTENT=1) at S=4096, GQA, against the
     reference (forward, lse and the gradients of the backward that reads its lse)."""
-    from sparseflash.attention.triton import configs
+    from sparseflash.attention.triton import tuning
 
     monkeypatch.setenv("SPARSEFLASH_PERSISTENT", "1")
-    monkeypatch.setattr(configs, "_chosen", {})
+    tuning.forget()
     seq_len, heads = 4096, 8
     q, k, v, do = (_layout(x, layout) for x in _inputs(2, heads, heads // 2, seq_len, seq_len, dim, dtype, "cuda"))
     mask = make(pattern, seq_len, block=128, heads=heads, **GPU_PATTERNS[pattern])
-    got = attention_with_grads("triton", q, k, v, mask, do)
-    assert configs.launched["forward"].persistent
+    with tuning.recording() as launched:
+        got = attention_with_grads("triton", q, k, v, mask, do)
+    assert launched[0].config.persistent
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, attention_with_grads("reference", q, k, v, mask, do)):
         assert_close(a, b, TOL[dtype], name)
 

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import sparseflash
 from sparseflash.models import Encoder, build_model, sinusoidal_positions
 
 ATTN = {"pattern": "dense", "block": 16, "backend": "blocked", "params": {}}
@@ -41,8 +42,9 @@ def test_mask_from_attention_config():
     model = build_model({"dim": 32, "depth": 1, "heads": 2, "mlp_dim": 64},
                         {"pattern": "butterfly", "block": 16, "backend": "blocked", "params": {"factors": None}},
                         vocab_size=20, max_len=255, num_classes=10)
-    mask = model.encoder.attention_mask(255)
-    assert mask.q_len == 256 and mask.density < 0.5
+    assert model.encoder.pad_multiple == 16  # the mask block: sequences padded to whole blocks
+    mask = model.encoder.blocks[0].attn.mask_for(256)
+    assert mask == sparseflash.masks.make("butterfly", 256, block=16) and mask.density < 0.5
     assert sinusoidal_positions(10, 8).shape == (10, 8)
     with pytest.raises(ValueError, match="max_len"):
         model({"x": torch.ones(1, 300, dtype=torch.long), "lengths": torch.tensor([300])})

@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseflash.attention.triton import configs
-from sparseflash.attention.triton.forward import (KernelInputs, key_tile_scores, listed_block, mma, row_tile_ranges,
-                                                  tile_start)
 from sparseflash.attention.triton.launch import Launcher
+from sparseflash.attention.triton.plan import LaunchPlan
+from sparseflash.attention.triton.tiles import key_tile_scores, listed_block, mma, row_tile_ranges, tile_start
+from sparseflash.attention.triton.tuning import KernelConfig, run_tuned
 
 
 @triton.jit(do_not_specialize=["q_len"])
@@ -340,16 +340,16 @@ def _attn_bwd(
 PREPROCESS_BLOCK_M = 64
 # One launch for both kinds of program from this padded head dim on; below it, two launches, so
 # that each kind gets its own warps (H100, head_dim 64: dK/dV wants 8 warps, dQ 4, and one launch
-# made the dense fwd+bwd rows 9-22% slower; docs/kernel_notes.md, versions 9-11).
+# made the dense fwd+bwd rows 9-22% slower; docs/kernels.md, "The backward").
 FUSED_FROM_HEAD_DIM = 128
 PREPROCESS = Launcher(_bwd_preprocess)
 BACKWARD = Launcher(_attn_bwd)
 
 
-def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, inputs: KernelInputs):
+def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, plan: LaunchPlan):
     """``dq, dk, dv`` (dtypes and shapes of q, k, v) for the gradients ``do`` of o and ``dlse`` of
-    lse (or None); ``key_lengths`` as ``inputs.key_lengths_arg`` gives it."""
-    batch, heads, q_len = inputs.batch, inputs.heads, inputs.q_len
+    lse (or None); ``key_lengths`` as ``plan.key_lengths_arg`` gives it."""
+    batch, heads, q_len = plan.batch, plan.heads, plan.q_len
     # Rows of delta and lse2 start 64-byte aligned, so that the dK/dV loops' loads of a tile's
     # values vectorise (with rows at q_len, 4-byte copies: twice Flex's copy instructions per tile).
     stats_stride = triton.cdiv(q_len, 16) * 16
@@ -357,28 +357,28 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, inp
     has_dlse = dlse is not None
     PREPROCESS((triton.cdiv(q_len, PREPROCESS_BLOCK_M), batch * heads),
                (o, do, lse, dlse.contiguous() if has_dlse else lse, delta, lse2),
-               (*o.stride(), *do.stride(), heads, q_len, stats_stride, inputs.head_dim),
-               dict(HAS_DLSE=has_dlse, BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM=inputs.padded_dim))
+               (*o.stride(), *do.stride(), heads, q_len, stats_stride, plan.head_dim),
+               dict(HAS_DLSE=has_dlse, BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM=plan.padded_dim))
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    (cols, col_strides), (rows, row_strides) = inputs.tables_of("q"), inputs.tables_of("kv")
+    (cols, col_strides), (rows, row_strides) = plan.tables_of("q"), plan.tables_of("kv")
     tensors = (q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, *cols, *rows)
     scalars = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *col_strides,
-               *row_strides, heads, inputs.groups, q_len, inputs.kv_len, inputs.head_dim, inputs.qk_scale,
-               inputs.scale, stats_stride)
+               *row_strides, heads, plan.groups, q_len, plan.kv_len, plan.head_dim, plan.qk_scale,
+               plan.scale, stats_stride)
 
     def launcher(programs: int):
-        def launch(cfg: configs.KernelConfig) -> None:
-            key_tiles = triton.cdiv(inputs.kv_len, cfg.block_m)
-            query_tiles = inputs.groups * triton.cdiv(q_len, cfg.block_m)
-            grid = ((key_tiles + query_tiles, key_tiles, query_tiles)[programs], batch * inputs.kv_heads)
-            BACKWARD(grid, tensors, scalars, inputs.constexprs(cfg, PROGRAMS=programs))
+        def launch(cfg: KernelConfig) -> None:
+            key_tiles = triton.cdiv(plan.kv_len, cfg.block_m)
+            query_tiles = plan.groups * triton.cdiv(q_len, cfg.block_m)
+            grid = ((key_tiles + query_tiles, key_tiles, query_tiles)[programs], batch * plan.kv_heads)
+            BACKWARD(grid, tensors, scalars, plan.constexprs(cfg, PROGRAMS=programs))
         return launch
 
-    if inputs.padded_dim >= FUSED_FROM_HEAD_DIM:
-        configs.run_tuned("backward", inputs.config_key, launcher(0))
+    if plan.padded_dim >= FUSED_FROM_HEAD_DIM:
+        run_tuned("backward", plan.config_key, launcher(0))
     else:
-        configs.run_tuned("dkdv", inputs.config_key, launcher(1))
-        configs.run_tuned("dq", inputs.config_key, launcher(2))
+        run_tuned("dkdv", plan.config_key, launcher(1))
+        run_tuned("dq", plan.config_key, launcher(2))
     return dq, dk, dv

@@ -2,17 +2,24 @@
 
 ``kernel[grid](*args, **constexprs)`` binds and specialises every argument on every call, and
 renders its options to a string for the cache key: 40-80 µs of host time for our kernels of 20-60
-arguments on the H100 machine's CPU, where a whole forward+backward at S=1024 keeps the GPU busy
-for ~0.6 ms (docs/kernel_notes.md, version 17). ``Launcher`` goes through Triton once per
+arguments on an H100 host's CPU, where a whole forward+backward at S=1024 keeps the GPU busy
+for ~0.6 ms (docs/kernels.md, "Host time"). ``Launcher`` goes through Triton once per
 specialisation, keeps the compiled kernel it returns, and then launches that kernel directly.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels under its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 class Launcher:

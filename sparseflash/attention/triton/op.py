@@ -5,21 +5,22 @@ from __future__ import annotations
 import torch
 
 from sparseflash.attention.triton.backward import attention_backward
-from sparseflash.attention.triton.forward import KernelInputs, attention_forward
+from sparseflash.attention.triton.forward import attention_forward
+from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.masks import BlockMask
 
 
 class TritonAttentionFunction(torch.autograd.Function):
-    """Saves only ``q, k, v, o, lse`` (and key_lengths and the launch inputs, which hold the mask's
+    """Saves only ``q, k, v, o, lse`` (and key_lengths and the launch plan, which holds the mask's
     tables, as attributes)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask: BlockMask, key_lengths, scale: float):
-        inputs = KernelInputs.of(q, k, mask, key_lengths is not None, scale)
-        key_lengths = inputs.key_lengths_arg(key_lengths)
-        o, lse = attention_forward(q, k, v, key_lengths, inputs)
+        plan = LaunchPlan.of(q, k, mask, key_lengths is not None, scale)
+        key_lengths = plan.key_lengths_arg(key_lengths)
+        o, lse = attention_forward(q, k, v, key_lengths, plan)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.inputs, ctx.key_lengths = inputs, key_lengths
+        ctx.plan, ctx.key_lengths = plan, key_lengths
         ctx.set_materialize_grads(False)  # an unused lse gets dlse None, not a zero-filled tensor
         return o, lse
 
@@ -28,7 +29,7 @@ class TritonAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         if do is None:  # only lse was used
             do = torch.zeros_like(o)
-        dq, dk, dv = attention_backward(q, k, v, o, lse, do, dlse, ctx.key_lengths, ctx.inputs)
+        dq, dk, dv = attention_backward(q, k, v, o, lse, do, dlse, ctx.key_lengths, ctx.plan)
         return dq, dk, dv, None, None, None
 
 

@@ -11,10 +11,17 @@ divide (or, after one, do), for DENSE and CAUSAL: the EVEN_LENGTHS variant (forw
 bucket only re-times compiled configs. Under the interpreter (``TRITON_INTERPRET=1``) no tuning
 runs: small tiles keep the CPU tests fast and exercise several tiles per mask block.
 Set ``SPARSEFLASH_TUNE=0`` to skip tuning and take each list's first candidate.
+
+The public API: ``run_tuned`` (the kernels' launchers call it), ``choice`` (the config a key would
+launch with, without launching), ``pin`` (fix a key's config), ``forget`` (drop this process's
+choices) and ``recording`` (which configs the kernels launched inside a block, with a way to launch
+each again with another config: the benchmark and ``scripts/kernel_probe.py`` use it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 import math
@@ -22,21 +29,26 @@ import os
 import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Optional
 
 import torch
 import triton
 
+from sparseflash.attention.triton.launch import interpreting
 from sparseflash.timing import interleaved_times
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    block_m: int  # query rows of a tile
-    block_n: int  # key rows of a tile
+    block_m: int  # query rows of a tile (keys for dK/dV: the tile a program holds)
+    block_n: int  # key rows of a tile (the tile a program streams)
     num_warps: int
     num_stages: int
-    persistent: bool = False  # forward only: the persistent, warp-specialised kernel (forward.py)
+    persistent: bool = False  # forward only: the persistent, warp-specialised kernel (forward_persistent.py)
+
+    def __str__(self) -> str:
+        return (f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+                + ("/persistent" if self.persistent else ""))
 
 
 @dataclass(frozen=True)
@@ -49,21 +61,15 @@ class ConfigKey:
     row_work: int  # log2 of the mean mask blocks per query row: the loop's trip count
     parallelism: int  # log2 of batch x heads x 128-row query tiles: how well a grid fills the GPU
     device: str
-    persistent: bool = False  # the persistent forward can take the problem (KernelInputs.persistent_fits)
+    persistent: str = ""  # forward_persistent.mode(): "" never, "auto" tuned against the others, "only"
 
     @classmethod
-    def of(cls, q: torch.Tensor, mask, padded_dim: int, persistent: bool = False) -> "ConfigKey":
-        device = _device_name(q.device)
+    def of(cls, q: torch.Tensor, mask, padded_dim: int, persistent: str = "") -> "ConfigKey":
         blocks_per_row = max(1.0, mask.mean_row_blocks)
         tiles = q.shape[0] * q.shape[1] * -(-q.shape[2] // 128)
         return cls(padded_dim, str(q.dtype).removeprefix("torch."), mask.kind.name,
                    tuple(mask.block_size), mask.causal, round(math.log2(blocks_per_row)),
-                   round(math.log2(tiles)), device, persistent)
-
-    @property
-    def dot_precision(self) -> str:
-        """fp32 inputs use TF32 tensor-core dots on the GPU (exact IEEE in the interpreter)."""
-        return "tf32" if self.dtype == "float32" and not interpreting() else "ieee"
+                   round(math.log2(tiles)), _device_name(q.device), persistent)
 
     def __str__(self) -> str:
         return "|".join(str(v) for v in asdict(self).values()) + f"|triton-{triton.__version__}"
@@ -72,29 +78,6 @@ class ConfigKey:
 @functools.lru_cache(maxsize=None)
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "interpreter"
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def persistent_choice() -> str:
-    """``SPARSEFLASH_PERSISTENT``: "auto" (default) tunes the persistent forward against the others
-    where it applies (on Hopper), "1" takes it wherever it applies (also under the interpreter, where
-    "auto" leaves it out), "0" never does."""
-    choice = os.environ.get("SPARSEFLASH_PERSISTENT", "auto")
-    if choice not in ("auto", "0", "1"):
-        raise ValueError(f"SPARSEFLASH_PERSISTENT must be auto, 0 or 1; got {choice!r}")
-    return choice
-
-
-@functools.lru_cache(maxsize=None)
-def persistent_supported(device: torch.device) -> bool:
-    """Whether the persistent forward runs on ``device``: Hopper GPUs, whose warp specialisation and
-    TMA it was built and measured on, and the interpreter."""
-    if device.type != "cuda":
-        return interpreting()
-    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _configs(*rows: tuple[int, int, int, int]) -> list[KernelConfig]:
@@ -119,20 +102,11 @@ CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
         256: _configs((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)),
     },
 }
-# The persistent forward, where the key allows it (padded head dims up to 128): 4 warps, the only
-# count Triton's warp specialisation splits among two consumer warpgroups, and 2 stages (3 give NaN
-# under Triton 3.6; kernel_notes.md, version 22).
+# The persistent forward, where the key allows it: 4 warps, the only count Triton's warp
+# specialisation splits among two consumer warpgroups, and 2 stages (3 give NaN under Triton 3.6;
+# docs/kernels.md, "Triton bugs worked around").
 PERSISTENT_FORWARD = [KernelConfig(128, 128, 4, 2, True), KernelConfig(128, 64, 4, 2, True)]
 INTERPRETER_TILE = 32
-
-_chosen: dict[tuple[str, ConfigKey], KernelConfig] = {}
-launched: dict[str, KernelConfig] = {}  # each kernel's latest config; the benchmark records it per row
-
-
-def launched_summary() -> str:
-    """``kernel=BLOCK_MxBLOCK_N/wWARPS/sSTAGES`` of each kernel launched since ``launched`` was cleared."""
-    return " ".join(f"{kernel}={c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}"
-                    + ("/persistent" if c.persistent else "") for kernel, c in launched.items())
 
 
 def fit(kernel: str, cfg: KernelConfig, key: ConfigKey) -> KernelConfig:
@@ -147,16 +121,16 @@ def fit(kernel: str, cfg: KernelConfig, key: ConfigKey) -> KernelConfig:
 
 def candidates(kernel: str, key: ConfigKey) -> list[KernelConfig]:
     """The configs to try, fitted to the mask blocks, duplicates removed."""
-    persistent = kernel == "forward" and key.persistent and key.head_dim <= 128
-    choice = persistent_choice() if persistent else "0"
+    persistent = key.persistent if kernel == "forward" else ""
     if interpreting():
-        return [fit(kernel, KernelConfig(INTERPRETER_TILE, INTERPRETER_TILE, 4, 1, choice == "1"), key)]
+        return [fit(kernel, KernelConfig(INTERPRETER_TILE, INTERPRETER_TILE, 4, 1, persistent == "only"), key)]
     table = CANDIDATES[kernel]
     head_dim = min((d for d in table if d >= key.head_dim), default=max(table))
-    options = {"0": table[head_dim], "auto": table[head_dim] + PERSISTENT_FORWARD, "1": PERSISTENT_FORWARD}[choice]
+    options = {"": table[head_dim], "auto": table[head_dim] + PERSISTENT_FORWARD, "only": PERSISTENT_FORWARD}[persistent]
     return list(dict.fromkeys(fit(kernel, cfg, key) for cfg in options))
 
 
+# ---------------------------------------------------------------------------- the disk cache
 def _cache_path() -> Path:
     root = os.environ.get("SPARSEFLASH_CACHE_DIR", os.path.join(Path.home(), ".cache", "sparseflash"))
     return Path(root) / "tuning.json"
@@ -182,12 +156,13 @@ def _save_choice(name: str, cfg: KernelConfig) -> None:
         pass  # a read-only home only costs re-tuning in the next process
 
 
+# ---------------------------------------------------------------------------- the tuner
 FIRST_ROUND_MS = 25  # one timing of every candidate (compiling it): the slow ones are dropped after it
 SLOWER_THAN_BEST = 1.2  # ... those whose median is this many times the fastest one's
 TUNING_ROUNDS = 4  # then the rest take turns for this many rounds; the lowest median of their calls wins
 ROUND_MS = 25  # a round gives each ROUND_MS, or ROUND_CALLS calls of the fastest if that is longer
 ROUND_CALLS = 20  # (up to MAX_ROUND_MS): a kernel of milliseconds is judged under sustained load,
-MAX_ROUND_MS = 200  # where the power cap slows some configs more than others (kernel notes, version 21)
+MAX_ROUND_MS = 200  # where the power cap slows some configs more than others (docs/kernels.md, "The tuner")
 
 
 def round_ms(fastest_ms: float) -> float:
@@ -195,7 +170,7 @@ def round_ms(fastest_ms: float) -> float:
     return min(MAX_ROUND_MS, max(ROUND_MS, ROUND_CALLS * fastest_ms))
 
 
-def _tune(launch: Callable[[KernelConfig], None], options: list[KernelConfig]) -> KernelConfig:
+def _tune(launch: Callable[[KernelConfig], object], options: list[KernelConfig]) -> KernelConfig:
     """The fastest of ``options``. The survivors of a first round are timed in interleaved rounds
     (``sparseflash.timing``) of ``round_ms`` each, so that the drift of the GPU's clocks over the
     seconds that tuning takes does not decide between configs a few per cent apart."""
@@ -215,21 +190,76 @@ def _tune(launch: Callable[[KernelConfig], None], options: list[KernelConfig]) -
     return finalists[medians.index(min(medians))]
 
 
-def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], None]) -> KernelConfig:
-    """Launch ``kernel`` with the tuned config for ``key`` (tuning it on first use)."""
+# This process's choices, by (kernel, key); only the functions below read or write it.
+_chosen: dict[tuple[str, ConfigKey], KernelConfig] = {}
+
+
+def choice(kernel: str, key: ConfigKey) -> Optional[KernelConfig]:
+    """The config ``kernel`` launches with for ``key``: pinned or tuned in this process, or found in
+    the disk cache; None when it would be tuned (or, with ``SPARSEFLASH_TUNE=0`` or a single
+    candidate, take the first candidate) on its next launch."""
     cfg = _chosen.get((kernel, key))  # a tuple key: no string is built on the hot path
     if cfg is None:
-        name = f"{kernel}|{key}"
+        stored = _load_disk_cache().get(f"{kernel}|{key}")
+        if stored is not None and KernelConfig(**stored) in candidates(kernel, key):
+            cfg = _chosen[kernel, key] = KernelConfig(**stored)
+    return cfg
+
+
+def pin(kernel: str, key: ConfigKey, cfg: KernelConfig) -> None:
+    """Launch ``kernel`` with ``cfg`` for ``key`` from now on in this process (no tuning)."""
+    _chosen[kernel, key] = cfg
+
+
+def forget() -> None:
+    """Drop this process's pinned and tuned choices (the disk cache stays)."""
+    _chosen.clear()
+
+
+@dataclass(frozen=True)
+class Launched:
+    """One kernel launch seen by ``recording``: the kernel, its key and config, and ``relaunch``,
+    which launches the same kernel on the same tensors with another config."""
+
+    kernel: str
+    key: ConfigKey
+    config: KernelConfig
+    relaunch: Callable[[KernelConfig], object]
+
+
+_recorders: contextvars.ContextVar[tuple[list[Launched], ...]] = contextvars.ContextVar("recorders", default=())
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Launched]]:
+    """``with recording() as launched:`` collects every tuned kernel launch inside the block, in order."""
+    launched: list[Launched] = []
+    token = _recorders.set(_recorders.get() + (launched,))
+    try:
+        yield launched
+    finally:
+        _recorders.reset(token)
+
+
+def summary(launched: list[Launched]) -> str:
+    """``kernel=BLOCK_MxBLOCK_N/wWARPS/sSTAGES`` of each kernel's latest launch in ``launched``."""
+    latest = {entry.kernel: entry.config for entry in launched}
+    return " ".join(f"{kernel}={cfg}" for kernel, cfg in latest.items())
+
+
+def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], Optional[KernelConfig]]) -> KernelConfig:
+    """Launch ``kernel`` with its config for ``key`` (tuning it on first use) and return the config it
+    ran with: ``launch(cfg)`` returns another config where it had to fall back, else None."""
+    cfg = choice(kernel, key)
+    if cfg is None:
         options = candidates(kernel, key)
-        stored = _load_disk_cache().get(name)
-        if stored is not None and KernelConfig(**stored) in options:
-            cfg = KernelConfig(**stored)
-        elif len(options) == 1 or os.environ.get("SPARSEFLASH_TUNE", "1") == "0":
+        if len(options) == 1 or os.environ.get("SPARSEFLASH_TUNE", "1") == "0":
             cfg = options[0]
         else:
             cfg = _tune(launch, options)
-            _save_choice(name, cfg)
+            _save_choice(f"{kernel}|{key}", cfg)
         _chosen[kernel, key] = cfg
-    launched[kernel] = cfg
-    launch(cfg)
-    return cfg
+    used = launch(cfg) or cfg
+    for launched in _recorders.get():
+        launched.append(Launched(kernel, key, used, launch))
+    return used

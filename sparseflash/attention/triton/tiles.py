@@ -1,0 +1,173 @@
+"""``@triton.jit`` building blocks shared by the forward and backward kernels.
+
+Constexpr flags the helpers take (the kernels pass their own through):
+  FROM_TABLE      a walk over the mask blocks listed in a table row (SPARSE) instead of tiles 0, 1, ...
+  MASK_KIND       0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``).
+  HAS_KEY_LENGTHS key_lengths[b] bounds the keys of batch b.
+  APPLY_CAUSAL    apply q_idx >= kv_idx to the scores of a tile.
+  APPLY_KV_BOUND  drop keys at or past kv_bound (ragged tail, key_lengths).
+  MAY_BE_EMPTY    a row of a tile's scores may be all -inf (masked tiles).
+  BLOCK_M/BLOCK_N kernel tile (queries/keys); each divides SPARSE_BLOCK_M/SPARSE_BLOCK_N, the mask block.
+  D_PADDED        HEAD_DIM (a power of two >= 16) is larger than the real head dim: bound the loads.
+  V_TRANSPOSED    load the value tile as (D, BN) (the dQ loop's layout) instead of (BN, D).
+  DOT_PRECISION   tl.dot input precision ("tf32" for fp32 inputs on the GPU, "ieee" otherwise).
+  WIDEN_DOTS      interpreter only: widen dot operands to fp32 (its bf16 dot is wrong).
+
+Scores are kept in base 2: the kernels scale q k^T by ``scale * log2(e)`` and use exp2/log2.
+"""
+
+import triton
+import triton.language as tl
+
+# Arguments that change with the sequence length and are not specialised on (``do_not_specialize``),
+# so that a new length reuses the compiled kernel: the lengths and the strides of the row tables
+# (block counts). The tensor strides stay specialised: their divisibility decides the width of
+# vector loads.
+ROW_LENGTH_ARGS = ["q_len", "kv_len", "stride_num_h", "stride_num_m", "stride_idx_h", "stride_idx_m"]
+
+@triton.jit
+def mma(a, b, acc, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
+    """``tl.dot(a, b, acc)``; WIDEN_DOTS (interpreter only) widens the operands to fp32 first,
+    since the interpreter's bf16 dot is wrong. The operands keep their bf16/fp16 rounding."""
+    if WIDEN_DOTS:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def listed_block(idx_ptr, t, t_hi, FROM_TABLE: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
+    """The mask block that holds tile ``t`` of a walk over the blocks listed at idx_ptr (0 for t >= t_hi,
+    and without a table).
+
+    The loops read it for the next tile at the end of each tile and carry it. A read that feeds
+    the tile's own addresses makes Triton's pipeliner copy it asynchronously too, and then wait
+    for every copy in flight at each tile (``DEPBAR.LE SB0, 0x0``) instead of keeping
+    num_stages - 1 tiles of K/V (or Q/dO) in flight; a read at the start of the tile lives across
+    its dots and made the dK/dV loop spill (docs/kernels.md, "The table walk").
+
+    Tile 0's read needs no bound: every table row holds an entry 0 (it is as wide as the other
+    side has blocks), so the read of a walk's first block (walks from tables start at 0) is issued
+    at once instead of after the load of the row's count."""
+    if FROM_TABLE:
+        tiles_per_block: tl.constexpr = SPARSE_BLOCK_N // BLOCK_N
+        return tl.load(idx_ptr + t // tiles_per_block, mask=(t < t_hi) | (t == 0), other=0)
+    else:
+        return 0
+
+
+@triton.jit
+def tile_start(t, block, FROM_TABLE: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
+    """First key index of tile ``t``: ``t * BLOCK_N``, or its offset in the listed mask block ``block``."""
+    if FROM_TABLE:
+        tiles_per_block: tl.constexpr = SPARSE_BLOCK_N // BLOCK_N
+        return block * SPARSE_BLOCK_N + (t % tiles_per_block) * BLOCK_N
+    else:
+        return t * BLOCK_N
+
+
+TABLE_CHUNK = tl.constexpr(64)
+
+
+@triton.jit
+def blocks_below(idx_ptr, num, bound_block):
+    """How many of the ``num`` ascending block indices at idx_ptr are below ``bound_block``."""
+    count = 0
+    for start in range(0, num, TABLE_CHUNK):
+        offs = start + tl.arange(0, TABLE_CHUNK)
+        idx = tl.load(idx_ptr + offs, mask=offs < num, other=bound_block)
+        count += tl.sum((idx < bound_block).to(tl.int32), 0)
+    return count
+
+
+@triton.jit
+def row_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound,
+                    stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+                    MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
+    """Key tiles of the query tile at q_start, as an unmasked run and a masked run.
+
+    Returns (full_idx, full_hi, part_idx, part_lo, part_hi): tiles [0, full_hi) need no element
+    mask, tiles [part_lo, part_hi) do. SPARSE counts tiles of the blocks listed in its row
+    tables, without the blocks wholly past key_lengths[b] (the tables are ascending, so those
+    come last); DENSE and CAUSAL count tiles from key 0 up to kv_bound and read no table."""
+    if MASK_KIND == 2:
+        tiles_per_block: tl.constexpr = SPARSE_BLOCK_N // BLOCK_N
+        mask_row = q_start // SPARSE_BLOCK_M
+        num_off = h * stride_num_h + mask_row * stride_num_m
+        idx_off = h * stride_idx_h + mask_row * stride_idx_m
+        full_num = tl.load(FULL_NUM + num_off)
+        part_num = tl.load(PART_NUM + num_off)
+        if HAS_KEY_LENGTHS:
+            bound_block = tl.cdiv(kv_bound, SPARSE_BLOCK_N)
+            full_num = blocks_below(FULL_IDX + idx_off, full_num, bound_block)
+            part_num = blocks_below(PART_IDX + idx_off, part_num, bound_block)
+        return FULL_IDX + idx_off, full_num * tiles_per_block, PART_IDX + idx_off, 0, part_num * tiles_per_block
+    else:
+        if MASK_KIND == 1:  # key tiles wholly at or below the tile's first row need no mask
+            full_hi = tl.minimum(q_start + 1, kv_bound) // BLOCK_N
+            masked_end = tl.minimum(kv_bound, q_start + BLOCK_M)
+        else:
+            full_hi = kv_bound // BLOCK_N
+            masked_end = kv_bound
+        return FULL_IDX, full_hi, PART_IDX, full_hi, tl.cdiv(masked_end, BLOCK_N)
+
+
+@triton.jit
+def key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv, offs_d,
+                    kv_bound, head_dim, qk_scale, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
+                    D_PADDED: tl.constexpr, V_TRANSPOSED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    WIDEN_DOTS: tl.constexpr):
+    """Load the key tile at offs_kv and score it against q.
+
+    Returns the base-2 scores (BM, BN) with dropped ones at -inf (keys past kv_bound; and, with
+    APPLY_CAUSAL, keys after the query), k^T (D, BN), and v as (BN, D), or (D, BN) with V_TRANSPOSED."""
+    k_ptrs = k_base + offs_kv[None, :] * stride_kn + offs_d[:, None] * stride_kd
+    if V_TRANSPOSED:
+        v_ptrs = v_base + offs_kv[None, :] * stride_vn + offs_d[:, None] * stride_vd
+    else:
+        v_ptrs = v_base + offs_kv[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if APPLY_KV_BOUND or D_PADDED:
+        k_in = (offs_kv[None, :] < kv_bound) & (offs_d[:, None] < head_dim)
+        k_t = tl.load(k_ptrs, mask=k_in, other=0.0)
+        if V_TRANSPOSED:
+            v = tl.load(v_ptrs, mask=k_in, other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=(offs_kv[:, None] < kv_bound) & (offs_d[None, :] < head_dim), other=0.0)
+    else:
+        k_t = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS) * qk_scale
+    if APPLY_CAUSAL or APPLY_KV_BOUND:
+        keep = offs_kv[None, :] < kv_bound
+        if APPLY_CAUSAL:
+            keep = keep & (offs_m[:, None] >= offs_kv[None, :])
+        s = tl.where(keep, s, float("-inf"))
+    return s, k_t, v
+
+
+@triton.jit
+def online_softmax_step(acc, l_i, m_i, s, v, MAY_BE_EMPTY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        WIDEN_DOTS: tl.constexpr):
+    """Fold one key tile, base-2 scores s (BM, BN) and values v (BN, D), into the running output
+    acc (BM, D), sum l and max m; MAY_BE_EMPTY: a row of s may be all -inf (masked tiles)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MAY_BE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+    else:
+        m_ref = m_new
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = mma(p.to(v.dtype), v, acc, DOT_PRECISION, WIDEN_DOTS)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def finish_rows(acc, l_i, m_i):
+    """The rows' output (fp32, BM x D) and natural-log lse; a row that saw no key gets 0 and -inf."""
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln 2
+    return acc / l_safe[:, None], lse
