@@ -2,17 +2,27 @@
 
 ``RunLogger`` fans one ``log(metrics, step)`` out to every sink. ``metrics.jsonl`` is always
 written in the run directory so results can be read without W&B; wandb is imported only when a
-W&B sink is asked for, and runs offline unless told otherwise.
+W&B sink is asked for, and runs offline unless told otherwise. ``drop_records_after`` trims a
+JSONL file to the steps a resumed run restarts from.
+
+Console lines go through the standard ``logging`` module (loggers under ``sparseflash``), so that
+Hydra's job logging sends them to the console and to the run's log file; ``console_fallback`` shows
+them when nothing has configured logging (a notebook, a script calling ``train.run``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
+
+log = logging.getLogger(__name__)
 
 
 def _jsonable(value: Any) -> Any:
@@ -46,12 +56,30 @@ class JsonlSink:
         self._file.close()
 
 
+def drop_records_after(path: str | os.PathLike, step: int) -> int:
+    """Remove the records of ``path`` (a ``JsonlSink`` file) whose step is above ``step``; returns
+    how many. A run resumed from a checkpoint of step ``step`` logs the later steps again, and the
+    run it continues may have logged some of them before it was stopped. The file is replaced
+    atomically (tmp file + rename): a crash leaves either the old or the new file."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    # a last record cut short by a crash (no newline) goes too: the checkpoint was written before it
+    keep = [line for line in lines if line.endswith("\n") and (json.loads(line).get("step") or 0) <= step]
+    if len(keep) < len(lines):
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text("".join(keep), encoding="utf-8")
+        os.replace(tmp, path)
+    return len(lines) - len(keep)
+
+
 class ConsoleSink:
-    """Prints ``step k | name value ...`` lines (floats with 4 significant digits)."""
+    """Logs ``step k | name value ...`` lines (floats with 4 significant digits) at INFO."""
 
     def log(self, metrics: Mapping[str, Any], step: int | None) -> None:
         parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()]
-        print((f"step {step} | " if step is not None else "") + " | ".join(parts), flush=True)
+        log.info((f"step {step} | " if step is not None else "") + " | ".join(parts))
 
     def close(self) -> None:
         pass
@@ -110,3 +138,24 @@ class RunLogger:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+
+
+@contextlib.contextmanager
+def console_fallback() -> Iterator[None]:
+    """Within the block, print the INFO records of the ``sparseflash`` loggers to stdout (the message
+    alone) if the program has not configured logging, i.e. no handler would receive them. Under
+    Hydra, whose job logging already sends them to the console and the log file, it does nothing."""
+    package = logging.getLogger("sparseflash")
+    if package.hasHandlers():
+        yield
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = package.level
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        package.removeHandler(handler)
+        package.setLevel(level)

@@ -5,19 +5,34 @@
 - ``trainer.max_time`` (seconds) ends training early, still testing the best weights.
 - Evaluation every ``trainer.eval_every`` steps; the weights with the best validation accuracy
   are kept and the test set is scored with them (not with the last weights).
-- Checkpoints (``<run_dir>/checkpoints/last.pt``, written atomically: tmp file + rename) hold
-  the step, model, optimizer, scheduler, every rank's RNG states, the data position and the best
-  weights; ``resume=true`` continues exactly where an interrupted run stopped.
-- DDP under ``torchrun`` (gloo on CPU, nccl on CUDA): the global batch is split across ranks,
-  evaluation is sharded and summed; only rank 0 logs and writes.
+- Checkpoints (``<run_dir>/checkpoints/last.pt``, see ``sparseflash.train_state``) hold
+  everything a run needs to continue exactly where it stopped; they are written every
+  ``trainer.checkpoint_every`` steps, at the end, at ``trainer.stop_after``, on SIGTERM (every rank
+  stops at the same step) and on Ctrl-C (one process only). ``resume=true`` continues the
+  run in ``run_dir`` (an error if it has no checkpoint), ``resume=<path>`` the named checkpoint,
+  ``resume=auto`` the run's own checkpoint when there is one and starts from scratch otherwise.
+  A resumed run first drops the ``metrics.jsonl`` records of steps after its checkpoint (the
+  stopped run may have logged some), so no step is logged twice.
+- DDP under ``torchrun`` (gloo on CPU, nccl on CUDA; ``sparseflash.distributed``): the global
+  batch is split across ranks (``sparseflash.data.stream``), evaluation is sharded and summed;
+  only rank 0 logs and writes.
 - Logged per step: loss, acc, lr, step_time, tokens_per_s, peak_mem_mb; per evaluation: val_loss,
   val_acc; at the end: best_val_acc, test_acc, total_time, the mask's density and picture.
-  ``metrics.jsonl``, ``config.yaml`` and ``results.json`` go into the run directory.
+  ``metrics.jsonl``, ``config.yaml`` and ``results.json`` go into the run directory. Console
+  lines go to the ``sparseflash.train`` logger, which Hydra's job logging also writes into the
+  run's ``train.log``.
+
+``_run`` reads top to bottom as nanoGPT's loop does: set-up and resume, then per step the batch,
+forward, backward, optimizer step, logging, validation, and the stop/checkpoint decisions; then
+the test with the best weights (``_test``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import logging
 import math
 import os
 import random
@@ -26,118 +41,22 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from sparseflash.data import TaskData, build_task, collate
-from sparseflash.logging import RunLogger
+from sparseflash.data import TaskData, build_task
+from sparseflash.data.stream import BatchStream, count_tokens, load_batch
+from sparseflash.distributed import Dist
+from sparseflash.logging import RunLogger, console_fallback, drop_records_after
 from sparseflash.masks import MaskSpec, import_patterns
 from sparseflash.models import build_model
+from sparseflash.train_state import TrainState, resume_path
 
-
-# ----------------------------------------------------------------------------- distributed
-class Dist:
-    """Rank, world size and device of this process (a single process when not under torchrun)."""
-
-    def __init__(self, device_cfg: str = "auto"):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        want_cuda = device_cfg == "cuda" or (device_cfg == "auto" and torch.cuda.is_available())
-        if device_cfg not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda; got {device_cfg!r}")
-        if want_cuda and not torch.cuda.is_available():
-            raise ValueError("device=cuda but no CUDA device is available")
-        self.device = torch.device(f"cuda:{self.local_rank}" if want_cuda else "cpu")
-        if want_cuda:
-            torch.cuda.set_device(self.device)
-        self.enabled = self.world > 1
-        if self.enabled and not dist.is_initialized():
-            dist.init_process_group("nccl" if want_cuda else "gloo")
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier()
-
-    def sum(self, values: list[float]) -> list[float]:
-        if not self.enabled:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def broadcast(self, obj: Any) -> Any:
-        if not self.enabled:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def gather(self, obj: Any) -> list[Any]:
-        if not self.enabled:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def close(self, wait: bool = True) -> None:
-        if self.enabled and dist.is_initialized():
-            try:
-                if wait:  # let every rank finish (rank 0 writes last) before tearing gloo down
-                    dist.barrier()
-            finally:
-                dist.destroy_process_group()
-
-
-# ----------------------------------------------------------------------------- data stream
-class BatchStream:
-    """Resumable, seeded batches of a dataset: epoch ``e`` is the permutation drawn from
-    ``(seed, e)``; a global batch is ``batch_size`` consecutive indices of it, and rank ``r`` of
-    ``world`` takes every ``world``-th of them. ``state()``/``load()`` save the position."""
-
-    def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1):
-        if batch_size % world:
-            raise ValueError(f"trainer.batch_size={batch_size} must be divisible by the {world} processes")
-        if n < batch_size:
-            raise ValueError(f"the training set has {n} examples, fewer than trainer.batch_size={batch_size}")
-        self.n, self.batch_size, self.seed, self.rank, self.world = n, batch_size, seed, rank, world
-        self.epoch, self.pos = 0, 0
-        self._perm: np.ndarray | None = None
-
-    def _permutation(self) -> np.ndarray:
-        if self._perm is None:
-            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
-        return self._perm
-
-    def next(self) -> np.ndarray:
-        if self.pos + self.batch_size > self.n:  # drop the ragged tail, start the next epoch
-            self.epoch, self.pos, self._perm = self.epoch + 1, 0, None
-        batch = self._permutation()[self.pos:self.pos + self.batch_size]
-        self.pos += self.batch_size
-        return batch[self.rank::self.world]
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load(self, state: dict) -> None:
-        self.epoch, self.pos, self._perm = int(state["epoch"]), int(state["pos"]), None
-
-
-def _to(batch: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def _tokens(batch: dict) -> int:
-    return int(batch["lengths"].sum()) + int(batch["lengths2"].sum() if "lengths2" in batch else 0)
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -160,48 +79,26 @@ def lr_factor(step: int, *, schedule: str, warmup: int, max_steps: int, min_rati
     return warm * decay
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def _optimizer(module: torch.nn.Module, tr: DictConfig):
+    """AdamW (no weight decay on biases, norms, positions and the CLS token) and its schedule."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for name, p in module.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 or name.endswith(".pos") or name.endswith("cls") else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": float(tr.weight_decay)}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=float(tr.lr), betas=tuple(tr.get("betas", (0.9, 0.98))),
+                                  eps=float(tr.get("eps", 1e-8)))
+    schedule = functools.partial(lr_factor, schedule=str(tr.schedule), warmup=int(tr.warmup_steps),
+                                 max_steps=int(tr.max_steps), min_ratio=float(tr.get("min_lr_ratio", 0.0)))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-# ----------------------------------------------------------------------------- RNG
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
+# ----------------------------------------------------------------------------- set-up
 def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (dropout, initialisation)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-# ----------------------------------------------------------------------------- helpers
-def _save_atomic(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _peak_mem_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
 def _run_dir(cfg: DictConfig, run_dir: str | os.PathLike | None) -> Path:
@@ -217,22 +114,169 @@ def _run_dir(cfg: DictConfig, run_dir: str | os.PathLike | None) -> Path:
         return Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
-def _progress(total: int, initial: int, enabled: bool):
-    if not enabled:
-        return None
+def _load_task(task_cfg: DictConfig, seed: int, ctx: Dist) -> TaskData:
+    """The task's datasets: rank 0 first (it may generate and cache them), the others once they are on disk."""
+    task = build_task(task_cfg, seed=seed) if ctx.main else None
+    ctx.barrier()
+    return task if ctx.main else build_task(task_cfg, seed=seed)
+
+
+def _build_model(cfg: DictConfig, task: TaskData, ctx: Dist):
+    """``(model, module)``: ``module`` on this rank's device, and ``model`` the same wrapped in DDP
+    when there are several processes (the wrapper trains; the bare module is evaluated and saved)."""
+    module = build_model(cfg.model, cfg.attention, vocab_size=task.vocab_size, max_len=task.max_len,
+                         num_classes=task.num_classes, pair=task.pair).to(ctx.device)
+    if not ctx.enabled:
+        return module, module
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids), module
+
+
+def _attention_summary(cfg: DictConfig, task: TaskData) -> dict:
+    """What a run reports about its attention: the pattern's name, the density and picture of its
+    mask at the task's longest input, and the model line's description."""
+    mask = MaskSpec.from_config(cfg.attention, other_keys=("backend",)).build(task.max_len, heads=cfg.model.heads)
+    density = float(mask.density) if hasattr(mask, "density") else 1.0
+    attn = cfg.attention
+    return {"pattern": str(attn.pattern), "density": density, "picture": str(mask),
+            "description": f"{attn.pattern} (block {attn.block}, backend {attn.backend}, density {density:.3f})"}
+
+
+def _open_logger(cfg: DictConfig, run_dir: Path, state: TrainState, ctx: Dist) -> RunLogger:
+    """Rank 0's sinks (``metrics.jsonl``, W&B when configured) and ``config.yaml``. A resumed run
+    (``state.step > 0``) drops the records after its checkpoint first, and continues its W&B run."""
+    wandb_kwargs = None
+    if cfg.get("logger") is not None and cfg.logger.get("wandb") is not None:
+        wandb_kwargs = dict(OmegaConf.to_container(cfg.logger.wandb, resolve=True))
+        if state.wandb_id:
+            wandb_kwargs["resume_id"] = state.wandb_id
+    if ctx.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if state.step > 0:
+            drop_records_after(run_dir / "metrics.jsonl", state.step)
+    logger = RunLogger(run_dir, console=False, wandb=wandb_kwargs, config=OmegaConf.to_container(cfg, resolve=True),
+                       enabled=ctx.main)
+    if logger.wandb is not None:
+        state.wandb_id = logger.wandb.run.id
+    return logger
+
+
+def _resume(resume, run_dir: Path, state: TrainState, parts: dict, ctx: Dist) -> None:
+    """Load the checkpoint that ``resume`` names (``train_state.resume_path``) into ``state`` and
+    ``parts`` (module, optimizer, scheduler, stream), and say where the run starts."""
+    source = resume_path(resume, run_dir)
+    if source is not None:
+        state.load(source, **parts, rank=ctx.rank, device=ctx.device)
+    if ctx.main and resume:
+        log.info(f"resumed from {source} at step {state.step}" if source is not None
+                 else f"resume=auto: no checkpoint in {run_dir}; starting from step 0")
+
+
+def _introduce(task: TaskData, module, attention: dict, state: TrainState, logger: RunLogger, ctx: Dist,
+               run_dir: Path) -> None:
+    """Rank 0 describes the task, model and run directory; a new run logs the same as step 0."""
+    if not ctx.main:
+        return
+    n_params, majority = sum(p.numel() for p in module.parameters()), task.info.get("majority", 0.0)
+    log.info(f"task {task.name}: {len(task.train)} train / {len(task.val)} val / {len(task.test)} test, "
+             f"max_len {task.max_len}, {task.num_classes} classes (test majority {majority:.3f})\n"
+             f"model: {n_params / 1e6:.2f}M parameters, attention {attention['description']}, "
+             f"device {ctx.device}, {ctx.world} process(es)\nrun dir: {run_dir}")
+    if state.step == 0:
+        logger.log({"n_params": n_params, "mask_density": attention["density"], "train_size": len(task.train),
+                    "majority": majority}, step=0)
+
+
+# ----------------------------------------------------------------------------- pieces of the loop
+class _Console:
+    """Rank 0's console: lines through the logger and, when asked for and tqdm is installed, a
+    progress bar, which each line is written above (tqdm's external write mode). Other ranks are silent."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, bar: bool):
+        self.total, self.enabled, self.bar = total, enabled, None
+        if enabled and bar:
+            with contextlib.suppress(ImportError):
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, leave=False,
+                                mininterval=0.5 if sys.stderr.isatty() else 10.0, file=sys.stderr)
+
+    def line(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            log.info(text)
+        else:
+            with self.bar.external_write_mode():
+                log.info(text)
+
+    def step(self, step: int, text: str) -> None:
+        self.line(f"step {step}/{self.total} | {text}")
+
+    def advance(self, record: dict | None) -> None:
+        """One step done; ``record`` (if one was logged) goes into the bar's postfix."""
+        if self.bar is None:
+            return
+        if record is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}", lr=f"{record['lr']:.2e}",
+                                 refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class _Window:
+    """Training metrics of the steps since the last record, averaged (``trainer.log_every``)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = self.acc = self.seconds = 0.0
+        self.steps = self.tokens = 0
+
+    def add(self, loss: float, acc: float, tokens: float, seconds: float) -> None:
+        self.loss += loss
+        self.acc += acc
+        self.tokens += tokens
+        self.seconds += seconds
+        self.steps += 1
+
+    def record(self, lr: float, device: torch.device, epoch: int) -> dict:
+        """The averages (and the current lr, memory peak, epoch), and a fresh window."""
+        n = self.steps
+        record = {"loss": self.loss / n, "acc": self.acc / n, "lr": lr, "step_time": self.seconds / n,
+                  "tokens_per_s": self.tokens / max(self.seconds, 1e-9), "peak_mem_mb": _peak_mem_mb(device),
+                  "epoch": epoch}
+        self.reset()
+        return record
+
+
+def _peak_mem_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+@contextlib.contextmanager
+def _sigterm_flag(enabled: bool) -> Iterator[dict]:
+    """While the block runs, SIGTERM (SLURM pre-emption, a time limit) sets ``flag["set"]``
+    instead of killing the process, so that the loop can checkpoint and stop like an interruption.
+    Only rank 0 listens; the loop shares the flag with the other ranks."""
+    flag = {"set": False}
+    previous = None
+    if enabled:
+        with contextlib.suppress(ValueError):  # ValueError: not the main thread, no handler there
+            previous = signal.signal(signal.SIGTERM, lambda *_: flag.update(set=True))
     try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, leave=False,
-                mininterval=0.5 if sys.stderr.isatty() else 10.0, file=sys.stderr)
-
-
-def _print(bar, text: str) -> None:
-    if bar is not None:
-        bar.write(text)
-    else:
-        print(text, flush=True)
+        yield flag
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 @torch.no_grad()
@@ -249,7 +293,7 @@ def evaluate(model, dataset, *, batch_size: int, device, autocast, ctx: Dist, ma
     for i, start in enumerate(starts):
         if i % ctx.world != ctx.rank:
             continue
-        batch = _to(collate([dataset[j] for j in range(start, min(n, start + batch_size))]), device)
+        batch = load_batch(dataset, range(start, min(n, start + batch_size)), device)
         with autocast():
             logits = model(batch)
         loss_sum += F.cross_entropy(logits.float(), batch["y"], reduction="sum").item()
@@ -260,13 +304,22 @@ def evaluate(model, dataset, *, batch_size: int, device, autocast, ctx: Dist, ma
     return {"loss": loss_sum / max(1.0, count), "acc": correct / max(1.0, count), "count": int(count)}
 
 
+def _validate(score: Callable, module, dataset, state: TrainState, logger: RunLogger, console: _Console) -> None:
+    """Score the validation set, keep the weights if they are the best so far, log both."""
+    val = score(module, dataset)
+    improved = state.keep_if_best(val["acc"], module)
+    logger.log({"val_loss": val["loss"], "val_acc": val["acc"], "best_val_acc": state.best_val}, step=state.step)
+    console.step(state.step, f"val_loss {val['loss']:.4f} | val_acc {val['acc']:.3f}{' (best)' if improved else ''}")
+
+
 # ----------------------------------------------------------------------------- main loop
 def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
-    """Train and test one configuration; returns the final results (on every rank)."""
-    tr = cfg.trainer
+    """Train and test one configuration; returns the final results (on every rank), or
+    ``{"stopped_at", "run_dir"}`` when it stopped early with a checkpoint."""
     ctx = Dist(str(cfg.get("device", "auto")))
     try:
-        results = _run(cfg, tr, ctx, run_dir)
+        with console_fallback():
+            results = _run(cfg, ctx, run_dir)
     except BaseException:
         ctx.close(wait=False)  # a failed rank must not wait for the others
         raise
@@ -274,236 +327,121 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     return results
 
 
-def _run(cfg: DictConfig, tr: DictConfig, ctx: Dist, run_dir) -> dict:
-    t_start = time.time()
+def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
+    state = TrainState()  # its clock starts now: a run's time counts its set-up
+    tr, device = cfg.trainer, ctx.device
     import_patterns(cfg.get("import_patterns") or [])
     run_dir = Path(ctx.broadcast(str(_run_dir(cfg, run_dir))))
-    device = ctx.device
     if tr.get("num_threads"):
         torch.set_num_threads(int(tr.num_threads))
     seed = int(cfg.seed)
     seed_everything(seed + ctx.rank)
-
-    # data: rank 0 first (it may generate and cache), the others once it is on disk
-    if ctx.main:
-        task = build_task(cfg.task, seed=seed)
-    ctx.barrier()
-    if not ctx.main:
-        task = build_task(cfg.task, seed=seed)
-    model = build_model(cfg.model, cfg.attention, vocab_size=task.vocab_size, max_len=task.max_len,
-                        num_classes=task.num_classes, pair=task.pair).to(device)
-    module = model
-    if ctx.enabled:
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
-    n_params = sum(p.numel() for p in module.parameters())
-
-    max_steps = int(tr.max_steps)
-    optimizer = torch.optim.AdamW(_param_groups(module, float(tr.weight_decay)), lr=float(tr.lr),
-                                  betas=tuple(tr.get("betas", (0.9, 0.98))), eps=float(tr.get("eps", 1e-8)))
-    schedule = lambda step: lr_factor(step, schedule=str(tr.schedule), warmup=int(tr.warmup_steps),  # noqa: E731
-                                      max_steps=max_steps, min_ratio=float(tr.get("min_lr_ratio", 0.0)))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    task = _load_task(cfg.task, seed, ctx)
+    model, module = _build_model(cfg, task, ctx)
+    optimizer, scheduler = _optimizer(module, tr)
     stream = BatchStream(len(task.train), int(tr.batch_size), seed, ctx.rank, ctx.world)
-    use_bf16 = device.type == "cuda" and str(tr.get("precision", "bf16")) == "bf16"
-    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16)  # noqa: E731
-
-    # resume
-    ckpt_path = run_dir / "checkpoints" / "last.pt"
-    step, best_val, best_step, best_state, elapsed, wandb_id = 0, -1.0, -1, None, 0.0, None
-    resume = cfg.get("resume", False)
-    if resume:
-        src = ckpt_path if resume is True or str(resume).lower() == "true" else Path(str(resume))
-        if src.is_dir():
-            src = src / "checkpoints" / "last.pt" if (src / "checkpoints").is_dir() else src / "last.pt"
-        if src.exists():
-            ckpt = torch.load(src, map_location=device, weights_only=False)
-            module.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-            scheduler.load_state_dict(ckpt["scheduler"])
-            stream.load(ckpt["stream"])
-            step, best_val, best_step = ckpt["step"], ckpt["best_val"], ckpt["best_step"]
-            best_state, elapsed, wandb_id = ckpt["best_state"], ckpt["elapsed"], ckpt.get("wandb_id")
-            rng = ckpt["rng"]
-            _set_rng_state(rng[ctx.rank] if ctx.rank < len(rng) else rng[0])
-            if ctx.main:
-                print(f"resumed from {src} at step {step}", flush=True)
-        elif ctx.main:
-            print(f"resume: no checkpoint at {src}; starting from step 0", flush=True)
-
-    # logging (rank 0 only)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    wandb_cfg = cfg.logger.get("wandb") if cfg.get("logger") is not None else None
-    wandb_kwargs = None
-    if wandb_cfg is not None:
-        wandb_kwargs = dict(OmegaConf.to_container(wandb_cfg, resolve=True))
-        if wandb_id:
-            wandb_kwargs["resume_id"] = wandb_id
-    if ctx.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    logger = RunLogger(run_dir, console=False, wandb=wandb_kwargs, config=resolved, enabled=ctx.main)
-    if logger.wandb is not None:
-        wandb_id = logger.wandb.run.id
-
-    mask = MaskSpec.from_config(cfg.attention, other_keys=("backend",)).build(task.max_len, heads=cfg.model.heads)
-    density = float(mask.density) if hasattr(mask, "density") else 1.0
-    if ctx.main:
-        print(f"task {task.name}: {len(task.train)} train / {len(task.val)} val / {len(task.test)} test, "
-              f"max_len {task.max_len}, {task.num_classes} classes (test majority {task.info.get('majority', 0):.3f})\n"
-              f"model: {n_params / 1e6:.2f}M parameters, attention {cfg.attention.pattern} "
-              f"(block {cfg.attention.block}, backend {cfg.attention.backend}, density {density:.3f}), "
-              f"device {device}, {ctx.world} process(es)\nrun dir: {run_dir}", flush=True)
-        if step == 0:
-            logger.log({"n_params": n_params, "mask_density": density, "train_size": len(task.train),
-                        "majority": task.info.get("majority", 0.0)}, step=0)
-
-    def checkpoint() -> None:
-        rngs = ctx.gather(_rng_state())
-        if ctx.main:
-            _save_atomic({"step": step, "model": module.state_dict(), "optimizer": optimizer.state_dict(),
-                          "scheduler": scheduler.state_dict(), "stream": stream.state(), "rng": rngs,
-                          "best_val": best_val, "best_step": best_step, "best_state": best_state,
-                          "elapsed": elapsed + time.time() - t_start, "wandb_id": wandb_id,
-                          "config": resolved}, ckpt_path)
-        ctx.barrier()
-
-    eval_bs = int(tr.get("eval_batch_size") or tr.batch_size)
-    eval_every, ckpt_every = int(tr.eval_every), int(tr.get("checkpoint_every") or 0)
+    parts = {"module": module, "optimizer": optimizer, "scheduler": scheduler, "stream": stream}
+    ckpt_path, resume = run_dir / "checkpoints" / "last.pt", cfg.get("resume", False)
+    _resume(resume, run_dir, state, parts, ctx)
+    logger = _open_logger(cfg, run_dir, state, ctx)
+    attention = _attention_summary(cfg, task)
+    _introduce(task, module, attention, state, logger, ctx, run_dir)
+    max_steps, eval_every, ckpt_every = int(tr.max_steps), int(tr.eval_every), int(tr.get("checkpoint_every") or 0)
     log_every, print_every = max(1, int(tr.get("log_every", 1))), max(1, int(tr.get("print_every", 10)))
-    stop_after = tr.get("stop_after")
-    max_time, timed_out = tr.get("max_time"), False
-    clip = float(tr.get("grad_clip") or 0.0)
-    bar = _progress(max_steps, step, bool(tr.get("progress", True)) and ctx.main)
-
-    # SIGTERM (e.g. SLURM pre-emption) -> checkpoint and stop, like an interruption
-    interrupted = {"flag": False}
-    previous = None
-    if ctx.main and hasattr(signal, "SIGTERM"):
-        try:
-            previous = signal.signal(signal.SIGTERM, lambda *_: interrupted.__setitem__("flag", True))
-        except ValueError:  # not the main thread
-            previous = None
-
+    stop_after, max_time, clip = tr.get("stop_after"), tr.get("max_time"), float(tr.get("grad_clip") or 0.0)
+    use_bf16 = device.type == "cuda" and str(tr.get("precision", "bf16")) == "bf16"
+    autocast = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16, enabled=use_bf16)
+    score = functools.partial(evaluate, batch_size=int(tr.get("eval_batch_size") or tr.batch_size), device=device,
+                              autocast=autocast, ctx=ctx)
+    console = _Console(max_steps, state.step, ctx.main, bool(tr.get("progress", True)))
+    validate = functools.partial(_validate, functools.partial(score, max_batches=tr.get("eval_batches")), module,
+                                 task.val, state, logger, console)
+    save = functools.partial(state.save, ckpt_path, **parts, ctx=ctx, config=OmegaConf.to_container(cfg, resolve=True))
+    window, timed_out = _Window(), False
     model.train()
-    window: dict[str, float] = {"loss": 0.0, "acc": 0.0, "n": 0, "time": 0.0, "tokens": 0}
-    try:
-        while step < max_steps:
-            t0 = time.perf_counter()
-            idx = stream.next()
-            batch = _to(collate([task.train[i] for i in idx]), device)
-            with autocast():
-                logits = model(batch)
-            loss = F.cross_entropy(logits.float(), batch["y"])
-            loss.backward()
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            acc = (logits.argmax(-1) == batch["y"]).float().mean().item()
-            loss_v, acc, tokens = ctx.sum([loss.item(), acc, float(_tokens(batch))])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            window["loss"] += loss_v / ctx.world
-            window["acc"] += acc / ctx.world
-            window["n"] += 1
-            window["time"] += dt
-            window["tokens"] += tokens
-            if step % log_every == 0 or step == max_steps:
-                n = window["n"]
-                record = {"loss": window["loss"] / n, "acc": window["acc"] / n,
-                          "lr": scheduler.get_last_lr()[0], "step_time": window["time"] / n,
-                          "tokens_per_s": window["tokens"] / max(window["time"], 1e-9),
-                          "peak_mem_mb": _peak_mem_mb(device), "epoch": stream.epoch}
-                logger.log(record, step=step)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}", lr=f"{record['lr']:.2e}",
-                                    refresh=False)
-                if ctx.main and (step % print_every == 0):
-                    _print(bar, f"step {step}/{max_steps} | loss {record['loss']:.4f} | acc {record['acc']:.3f} | "
-                                f"lr {record['lr']:.2e} | {record['step_time'] * 1e3:.0f} ms/step | "
-                                f"{record['tokens_per_s']:.0f} tok/s")
-                window = {"loss": 0.0, "acc": 0.0, "n": 0, "time": 0.0, "tokens": 0}
-            if bar is not None:
-                bar.update(1)
-            if eval_every > 0 and (step % eval_every == 0 or step == max_steps):
-                val = evaluate(module, task.val, batch_size=eval_bs, device=device, autocast=autocast, ctx=ctx,
-                               max_batches=tr.get("eval_batches"))
-                improved = val["acc"] > best_val
-                if improved:
-                    best_val, best_step = val["acc"], step
-                    best_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-                logger.log({"val_loss": val["loss"], "val_acc": val["acc"], "best_val_acc": best_val}, step=step)
-                if ctx.main:
-                    _print(bar, f"step {step}/{max_steps} | val_loss {val['loss']:.4f} | val_acc {val['acc']:.3f}"
-                                f"{' (best)' if improved else ''}")
-            if max_time and elapsed + time.time() - t_start > float(max_time) and step < max_steps:
-                if ctx.main:
-                    _print(bar, f"trainer.max_time={max_time}s reached at step {step}: stopping early, "
-                                f"testing the best-validation weights")
-                timed_out = True
-                break
-            stop_now = stop_after is not None and step >= int(stop_after)
-            flag = ctx.sum([1.0 if interrupted["flag"] else 0.0])[0] > 0
-            if (ckpt_every and step % ckpt_every == 0) or stop_now or flag:
-                checkpoint()
-            if stop_now or flag:
-                if ctx.main:
-                    _print(bar, f"stopped at step {step}; checkpoint in {ckpt_path} "
-                                f"(continue with resume=true hydra.run.dir={run_dir})")
+    with _sigterm_flag(ctx.main) as sigterm:
+        try:
+            while state.step < max_steps:
+                t0 = time.perf_counter()
+                batch = load_batch(task.train, stream.next(), device)
+                with autocast():
+                    logits = model(batch)
+                loss = F.cross_entropy(logits.float(), batch["y"])
+                loss.backward()
+                if clip > 0:
+                    torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.step += 1
+                acc = (logits.argmax(-1) == batch["y"]).float().mean().item()
+                loss_sum, acc_sum, tokens = ctx.sum([loss.item(), acc, float(count_tokens(batch))])
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                window.add(loss_sum / ctx.world, acc_sum / ctx.world, tokens, time.perf_counter() - t0)
+                record = None
+                if state.step % log_every == 0 or state.step == max_steps:
+                    record = window.record(scheduler.get_last_lr()[0], device, stream.epoch)
+                    logger.log(record, step=state.step)
+                    if state.step % print_every == 0:
+                        console.step(state.step, f"loss {record['loss']:.4f} | acc {record['acc']:.3f} | "
+                                                 f"lr {record['lr']:.2e} | {record['step_time'] * 1e3:.0f} ms/step | "
+                                                 f"{record['tokens_per_s']:.0f} tok/s")
+                console.advance(record)
+                if eval_every > 0 and (state.step % eval_every == 0 or state.step == max_steps):
+                    validate()
+                if max_time and state.seconds() > float(max_time) and state.step < max_steps:
+                    console.line(f"trainer.max_time={max_time}s reached at step {state.step}: stopping early, "
+                                 f"testing the best-validation weights")
+                    timed_out = True
+                    break
+                stop_now = stop_after is not None and state.step >= int(stop_after)
+                signalled = ctx.sum([1.0 if sigterm["set"] else 0.0])[0] > 0  # every rank stops at the same step
+                if (ckpt_every and state.step % ckpt_every == 0) or stop_now or signalled:
+                    save()
+                if stop_now or signalled:
+                    console.line(f"stopped at step {state.step}; checkpoint in {ckpt_path} "
+                                 f"(continue with resume=true hydra.run.dir={run_dir})")
+                    console.close()
                     logger.close()
-                if bar is not None:
-                    bar.close()
-                return {"stopped_at": step, "run_dir": str(run_dir)}
-    except KeyboardInterrupt:
-        if not ctx.enabled:
-            checkpoint()
-            print(f"\ninterrupted at step {step}; checkpoint in {ckpt_path}", flush=True)
-        logger.close()
-        raise
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    if bar is not None:
-        bar.close()
-    if timed_out and eval_every > 0 and step % eval_every:
-        val = evaluate(module, task.val, batch_size=eval_bs, device=device, autocast=autocast, ctx=ctx,
-                       max_batches=tr.get("eval_batches"))
-        if val["acc"] > best_val:
-            best_val, best_step = val["acc"], step
-            best_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        logger.log({"val_loss": val["loss"], "val_acc": val["acc"], "best_val_acc": best_val}, step=step)
-    if int(tr.get("checkpoint_every") or 0) or cfg.get("resume", False):
-        checkpoint()
+                    return {"stopped_at": state.step, "run_dir": str(run_dir)}
+        except KeyboardInterrupt:
+            console.close()
+            if not ctx.enabled:  # with several processes the others may be gone: no collective checkpoint
+                save()
+                log.info(f"interrupted at step {state.step}; checkpoint in {ckpt_path}")
+            logger.close()
+            raise
+    console.close()
+    if timed_out and eval_every > 0 and state.step % eval_every:
+        validate()  # the steps since the last validation may hold the best weights
+    if ckpt_every or resume:
+        save()
+    return _test(state, module, task, score, attention, logger, ctx, run_dir, timed_out)
 
-    # test with the best-validation weights
-    last_state = None
-    if best_state is not None:
-        last_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        module.load_state_dict(best_state)
-    test = evaluate(module, task.test, batch_size=eval_bs, device=device, autocast=autocast, ctx=ctx)
-    total_time = elapsed + time.time() - t_start
-    picture = str(mask)
-    results = {"test_acc": test["acc"], "test_loss": test["loss"], "best_val_acc": best_val,
-               "best_step": best_step, "total_time": total_time, "steps": step,
-               "mask_density": density, "majority": task.info.get("majority", 0.0),
-               "task": task.name, "attention": str(cfg.attention.pattern), "n_params": n_params,
+
+def _test(state: TrainState, module, task: TaskData, score: Callable, attention: dict, logger: RunLogger,
+          ctx: Dist, run_dir: Path, timed_out: bool) -> dict:
+    """Score the test set with the best-validation weights (the last ones if there was no
+    validation), log and write the results (``results.json``, ``best_model.pt``)."""
+    if state.best_weights is not None:
+        module.load_state_dict(state.best_weights)
+    test = score(module, task.test)
+    results = {"test_acc": test["acc"], "test_loss": test["loss"], "best_val_acc": state.best_val,
+               "best_step": state.best_step, "total_time": state.seconds(), "steps": state.step,
+               "mask_density": attention["density"], "majority": task.info.get("majority", 0.0),
+               "task": task.name, "attention": attention["pattern"], "n_params": sum(p.numel() for p in module.parameters()),
                "time_limited": timed_out}
-    logger.log({**results, "mask": picture}, step=step)
+    logger.log({**results, "mask": attention["picture"]}, step=state.step)
     if ctx.main:
         if logger.wandb is not None:
-            for k, v in {**results, "mask": picture}.items():
+            for k, v in {**results, "mask": attention["picture"]}.items():
                 logger.wandb.run.summary[k] = v
         (run_dir / "results.json").write_text(json.dumps(results, indent=1))
-        torch.save(best_state if best_state is not None else module.state_dict(), run_dir / "best_model.pt")
-        print(f"attention mask ({cfg.attention.pattern}, density {density:.3f}):\n{picture}\n"
-              f"done in {total_time:.1f}s: best val acc {best_val:.4f} (step {best_step}), "
-              f"test acc {test['acc']:.4f} (majority class {results['majority']:.4f})", flush=True)
+        torch.save(module.state_dict(), run_dir / "best_model.pt")
+        log.info(f"attention mask ({attention['pattern']}, density {attention['density']:.3f}):\n{attention['picture']}\n"
+                 f"done in {results['total_time']:.1f}s: best val acc {state.best_val:.4f} (step {state.best_step}), "
+                 f"test acc {test['acc']:.4f} (majority class {results['majority']:.4f})")
     logger.close()
-    if last_state is not None:
-        module.load_state_dict(last_state)
     results["run_dir"] = str(run_dir)
     return results
