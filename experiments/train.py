@@ -4,6 +4,9 @@
     python experiments/train.py experiment=lra/listops attention=butterfly
     python experiments/train.py -m experiment=lra/listops attention=dense,butterfly seed=0,1,2
     torchrun --nproc_per_node=2 experiments/train.py experiment=smoke   # DDP
+
+A mistake in the command (an unknown pattern, a missing dataset, ...) ends it with one line
+`error: ...` and exit status 2 (sparseflash/cli.py); HYDRA_FULL_ERROR=1 shows the traceback.
 """
 
 import os
@@ -17,9 +20,11 @@ from omegaconf import DictConfig  # noqa: E402
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    from sparseflash import cli
     from sparseflash.train import run
 
-    results = run(cfg)
+    with cli.job():
+        results = run(cfg)
     return results.get("best_val_acc")  # what a Hydra sweeper would maximise
 
 

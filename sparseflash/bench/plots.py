@@ -2,7 +2,8 @@
 per pattern x backend) and speed-up over dense against density (with the ideal ``1/density``).
 
 One figure per (mode, head_dim, dtype), or with ``combined`` one figure of each kind holding every
-group as a panel (fewer files, for machines that return few)."""
+group as a panel (fewer files, for machines that return few). Groups without a timed row get no
+figure or panel: an empty plot would only hide that nothing was measured."""
 
 from __future__ import annotations
 
@@ -80,7 +81,10 @@ def _legend_for_patterns(ax, colors):
 
 
 def write_plots(rows: list[dict], out_dir: str | Path, combined: bool = False) -> list[Path]:
-    """Write the PNGs into ``out_dir``; returns their paths."""
+    """Write the PNGs into ``out_dir`` (none, and no folder, when no row was timed); returns their paths."""
+    groups = list(dict.fromkeys(group_key(r) for r in rows if r["status"] == "ok"))
+    if not groups:
+        return []
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,7 +93,6 @@ def write_plots(rows: list[dict], out_dir: str | Path, combined: bool = False) -
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     colors, marks = _styles(rows)
-    groups = list(dict.fromkeys(group_key(r) for r in rows))
     written = []
     kinds = (("time", _time_panel), ("speedup", _speedup_panel))
     if combined:

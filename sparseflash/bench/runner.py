@@ -2,17 +2,21 @@
 
 Writes into the output directory (the Hydra run directory, or ``cfg.out_dir``): ``results.jsonl``
 (streamed row by row while it runs, rewritten at the end with the derived columns),
-``results.csv``, ``results.md`` and ``plots/*.png``; prints progress and the markdown table; with
-``logger=wandb`` logs the rows as a ``wandb.Table``, the curves as ``wandb.plot.line_series`` and the
-PNGs (wandb is imported only then; offline unless the logger config says otherwise).
+``results.csv``, ``results.md`` and ``plots/*.png`` (when some row was timed); logs progress and the
+markdown table (logger ``sparseflash.bench.runner``, which Hydra's job logging also writes into
+``bench.log``); with ``logger=wandb`` logs the rows as a ``wandb.Table``, the curves as
+``wandb.plot.line_series`` and the PNGs (wandb is imported only then; offline unless the logger
+config says otherwise). ``untimed`` says why a sweep timed nothing.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,9 @@ from sparseflash.bench import plots as plots_mod
 from sparseflash.bench import report
 from sparseflash.bench.spec import BenchConfig
 from sparseflash.bench.sweep import count, sweep
+from sparseflash.logging import console_fallback
+
+log = logging.getLogger(__name__)
 
 
 def _output_dir(cfg: BenchConfig) -> Path:
@@ -37,7 +44,7 @@ def _output_dir(cfg: BenchConfig) -> Path:
 
 
 class _Progress:
-    """tqdm when installed (and progress is on), else one printed line per row."""
+    """tqdm when installed (and progress is on), else one logged line per row."""
 
     def __init__(self, total: int, enabled: bool):
         self.total, self.done, self.bar = total, 0, None
@@ -59,10 +66,11 @@ class _Progress:
         line = (f"[{self.done}/{self.total}] {row['mode']} hd{row['head_dim']} {row['dtype']} S={row['seq_len']} "
                 f"{row['pattern_label']} {row['backend']}: {result}")
         if self.bar is not None:
-            self.bar.write(line)
+            with self.bar.external_write_mode():  # the line above the bar, not through it
+                log.info(line)
             self.bar.update(1)
         else:
-            print(line, flush=True)
+            log.info(line)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -99,15 +107,31 @@ def log_wandb(rows: list[dict], pngs: list[Path], out_dir: Path, wandb_cfg: dict
         sink.close()
 
 
+def untimed(rows: list[dict]) -> str | None:
+    """None if some row was timed; else why none was: the rows by status and their distinct reasons."""
+    if any(r["status"] == "ok" for r in rows):
+        return None
+    statuses = ", ".join(f"{n} {status}" for status, n in Counter(r["status"] for r in rows).items())
+    reasons = list(dict.fromkeys(f"{r['backend']}: {r['reason']}" for r in rows))
+    shown = "".join(f"\n  {reason}" for reason in reasons[:5])
+    if len(reasons) > 5:
+        shown += f"\n  ... and {len(reasons) - 5} more in results.csv"
+    return f"no row was timed ({statuses or 'no rows'}):{shown}"
+
+
 def run(cfg: Any) -> list[dict]:
     """Run the sweep ``cfg`` describes (see ``configs/bench.yaml``); returns the rows."""
+    with console_fallback():
+        return _run(cfg)
+
+
+def _run(cfg: Any) -> list[dict]:
     masks.import_patterns(cfg.get("import_patterns") or [])
     spec = BenchConfig.from_cfg(cfg)
     out_dir = _output_dir(spec)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = report.environment(spec.torch_device())
-    print(f"bench: {count(spec)} rows on {env['gpu']} (torch {env['torch']}, triton {env['triton']}) -> {out_dir}",
-          flush=True)
+    log.info(f"bench: {count(spec)} rows on {env['gpu']} (torch {env['torch']}, triton {env['triton']}) -> {out_dir}")
     stream = open(out_dir / "results.jsonl", "w", encoding="utf-8")
     progress = _Progress(count(spec), spec.progress)
 
@@ -126,8 +150,8 @@ def run(cfg: Any) -> list[dict]:
     (out_dir / "results.md").write_text(report.markdown(rows, spec.backends, full=True))
     pngs = plots_mod.write_plots(rows, out_dir / "plots", spec.plots.combined) if spec.plots.enabled else []
     if spec.print_table:
-        print(report.markdown(rows, spec.backends), flush=True)
+        log.info(report.markdown(rows, spec.backends))
     if spec.wandb:
         log_wandb(rows, pngs, out_dir, spec.wandb, spec.as_dict())
-    print(f"bench: wrote {out_dir / 'results.csv'}, results.jsonl, results.md and {len(pngs)} plots", flush=True)
+    log.info(f"bench: wrote {out_dir / 'results.csv'}, results.jsonl, results.md and {len(pngs)} plots")
     return rows
