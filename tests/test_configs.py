@@ -1,4 +1,5 @@
-"""Every config composes: each experiment preset with each attention, any registered pattern."""
+"""Every config composes: each experiment preset with each attention, any registered pattern; the
+smoke preset's task settings stay with its ListOps."""
 
 from pathlib import Path
 
@@ -72,3 +73,14 @@ def test_logger_and_launcher_groups():
     assert cfg.logger.wandb.mode == "offline"
     cfg = compose_train(["hydra/launcher=submitit_slurm"], hydra_cfg=True)
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+
+
+def test_smoke_task_settings_stay_with_its_listops(tmp_path):
+    cfg = compose_train(["experiment=smoke", f"data_root={tmp_path}"])
+    assert cfg.task.data_dir == f"{tmp_path}/listops-smoke" and cfg.task.sizes.train == 256
+    for overrides in (["experiment=smoke", "task=text"], ["task=text", "experiment=smoke"]):
+        cfg = compose_train([*overrides, f"data_root={tmp_path}"])
+        assert cfg.task.data_dir == f"{tmp_path}/imdb" and "sizes" not in cfg.task, overrides
+        assert cfg.model.dim == 32 and cfg.trainer.max_steps == 20  # still the smoke preset otherwise
+    assert compose_train(["experiment=smoke", "task=listops"]).task.sizes.train == 96000
+
