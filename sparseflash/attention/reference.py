@@ -32,18 +32,24 @@ def reference_attention(
     mask: BlockMask,
     key_lengths: torch.Tensor | None,  # (B,) int
     scale: float,
+    *,
+    upcast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32; differentiable."""
+    """Returns ``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` (fp32, fp64 for fp64
+    inputs); differentiable. Computes in fp32 (fp64 for fp64 inputs). ``upcast=False`` is instead the
+    plain implementation in the inputs' precision that the tests measure the kernels' error against
+    (as FlashAttention's tests do): scores and ``p @ v`` in q's dtype, the softmax in fp32."""
     groups = q.shape[1] // k.shape[1]
-    qf = q.float()
-    kf = k.float().repeat_interleave(groups, dim=1)
-    vf = v.float().repeat_interleave(groups, dim=1)
+    work = torch.promote_types(q.dtype, torch.float32) if upcast else q.dtype
+    qf = q.to(work)
+    kf = k.to(work).repeat_interleave(groups, dim=1)
+    vf = v.to(work).repeat_interleave(groups, dim=1)
     allowed = allowed_scores(mask, key_lengths, q.shape[0], q.device)  # (B|1, H|1, S_q, S_kv)
     s = (qf @ kf.transpose(-1, -2)) * scale
-    s = s.masked_fill(~allowed, float("-inf"))
+    s = s.to(torch.promote_types(work, torch.float32)).masked_fill(~allowed, float("-inf"))
     empty = ~allowed.any(-1, keepdim=True)  # rows that keep no score
     s = s.masked_fill(empty, 0.0)  # keeps softmax and its gradient finite on those rows
     p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
-    o = p @ vf
+    o = p.to(work) @ vf
     lse = torch.logsumexp(s, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
     return o.to(q.dtype), lse

@@ -85,6 +85,13 @@ ATTENTION_ERRORS = {
     "key-lengths-list": (lambda: _call(key_lengths=[S, S]), r"key_lengths must be an integer tensor .*got list"),
     "key-lengths-device": (lambda: _call(key_lengths=torch.empty(B, dtype=torch.int64, device="meta")),
                            r"key_lengths must be on cpu; got meta"),
+    "key-lengths-above-s": (lambda: _call(key_lengths=torch.tensor([S, S + 1])),
+                            r"key_lengths must lie in \[0, S_kv=40\]; got \[40, 41\]"),
+    "key-lengths-negative": (lambda: _call(key_lengths=torch.tensor([-1, S])),
+                             r"key_lengths must lie in \[0, S_kv=40\]; got \[-1, 40\]"),
+    "bshd-layout": (lambda: sparseflash.attention(*(x.transpose(1, 2) for x in _qkv()), make("dense", S, block=16)),
+                    r"mask was built for q_len=40, kv_len=40; the inputs have S_q=4, S_kv=2; the inputs look like "
+                    r"\(B, S, H, D\): attention takes \(B, H, S, D\)"),
     "scale-negative": (lambda: _call(scale=-1.0), r"scale must be a positive finite number or None; got -1.0"),
     "scale-zero": (lambda: _call(scale=0), r"scale must be a positive finite number or None; got 0"),
     "scale-nan": (lambda: _call(scale=float("nan")), r"scale must be a positive finite number or None; got nan"),

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from sparseflash.masks import make
-from tests.helpers import assert_close, attention_with_grads
-
-TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-5}
+from tests.helpers import REL_TOL as TOL
+from tests.helpers import assert_close, attention_with_grads, check_backend
 
 
 def _mask(kind: str, q_len: int, kv_len: int, heads: int):
@@ -65,10 +64,7 @@ def _compare(kind, q_len, kv_len, dim, dtype, gqa, key_lengths, device, batch=2,
         lengths = torch.tensor([kv_len * 2 // 3 + 1, 17][:batch], device=device)
     elif key_lengths:  # one full batch row and one with no key at all
         lengths = torch.tensor([kv_len, 0][:batch], device=device)
-    got = attention_with_grads("triton", q, k, v, mask, do, lengths)
-    want = attention_with_grads("reference", q, k, v, mask, do, lengths)
-    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
-        assert_close(a, b, TOL[dtype], name)
+    got = check_backend("triton", q, k, v, mask, do, lengths)
     if key_lengths is True:  # the padded batch row: output 0, lse -inf, gradients 0
         assert torch.all(got[0][1] == 0) and torch.all(got[1][1] == float("-inf"))
         assert all(torch.all(g[1] == 0) for g in got[2:])
@@ -117,11 +113,15 @@ def _case_id(case) -> str:
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=_case_id)
 def test_triton_matches_reference(case):
-    if torch.cuda.is_available():
-        device = "cuda"
-    else:
-        device = "cpu"
-    _compare(*case, device=device)
+    _compare(*case, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CPU_CASES, ids=_case_id)
+def test_gpu_odd_shapes(case):
+    """The interpreter's grid (ragged lengths, S_q != S_kv, blocks of 16 to 256, empty rows, padded
+    head dims, fp32, key_lengths) through the compiled kernels, where `pytest -m gpu` selects it."""
+    _compare(*case, device="cuda")
 
 
 def test_non_contiguous_inputs():
@@ -131,9 +131,7 @@ def test_non_contiguous_inputs():
     assert not q.is_contiguous()
     mask = make("butterfly", 111, block=32)
     do = torch.randn_like(q)
-    for a, b in zip(attention_with_grads("triton", q, k, v, mask, do),
-                    attention_with_grads("reference", q, k, v, mask, do)):
-        assert_close(a, b, TOL[torch.float16], "non-contiguous")
+    check_backend("triton", q, k, v, mask, do)
 
 
 def test_gradient_through_lse():
@@ -198,11 +196,8 @@ def test_persistent_forward_matches_reference(case, monkeypatch):
                                                           torch.float16, device))
     mask = _mask(kind, seq_len, seq_len, 4)
     with tuning.recording() as launched:
-        got = attention_with_grads("triton", q, k, v, mask, do)
+        got = check_backend("triton", q, k, v, mask, do)
     assert launched[0].kernel == "forward" and launched[0].config.persistent is persistent
-    want = attention_with_grads("reference", q, k, v, mask, do)
-    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
-        assert_close(a, b, TOL[torch.float16], name)
     if kind == "empty-rows":
         assert torch.all(got[0][:, :, :32] == 0) and torch.all(got[1][:, :, :32] == float("-inf"))
 
@@ -221,12 +216,9 @@ def test_persistent_forward_not_taken(dtype, key_lengths, monkeypatch):
     lengths = torch.tensor([100, 128], device=device) if key_lengths else None
     mask = _mask("butterfly", 128, 128, 4)
     with tuning.recording() as launched:
-        got = attention_with_grads("triton", q, k, v, mask, do, lengths)
+        check_backend("triton", q, k, v, mask, do, lengths)
     on_hopper = device == "cuda" and forward_persistent._supported(q.device)
     assert launched[0].config.persistent is (on_hopper and not key_lengths)
-    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got,
-                          attention_with_grads("reference", q, k, v, mask, do, lengths)):
-        assert_close(a, b, TOL[dtype], name)
 
 
 # ------------------------------------------------------------------------------ GPU, realistic sizes
@@ -245,10 +237,7 @@ def test_gpu_matches_reference(pattern, seq_len, dim, dtype):
     q, k, v, do = _inputs(2, heads, heads // 2, seq_len, seq_len, dim, dtype, "cuda")
     mask = make(pattern, seq_len, block=128, heads=heads, **GPU_PATTERNS[pattern])
     lengths = torch.tensor([seq_len, seq_len // 3 + 1], device="cuda")
-    got = attention_with_grads("triton", q, k, v, mask, do, lengths)
-    want = attention_with_grads("reference", q, k, v, mask, do, lengths)
-    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
-        assert_close(a, b, TOL[dtype], name)
+    check_backend("triton", q, k, v, mask, do, lengths)
 
 
 @pytest.mark.gpu
@@ -271,10 +260,7 @@ def test_gpu_long_sequences(pattern):
 @pytest.mark.parametrize("pattern", ["causal", "butterfly"])
 def test_gpu_padded_head_dims(pattern, dim):
     q, k, v, do = _inputs(2, 4, 2, 1000, 1000, dim, torch.bfloat16, "cuda")
-    mask = make(pattern, 1000, block=128)
-    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), attention_with_grads("triton", q, k, v, mask, do),
-                          attention_with_grads("reference", q, k, v, mask, do)):
-        assert_close(a, b, TOL[torch.bfloat16], name)
+    check_backend("triton", q, k, v, make(pattern, 1000, block=128), do)
 
 
 @pytest.mark.gpu
@@ -292,10 +278,7 @@ def test_gpu_relaunch_across_layouts():
     assert layouts["misaligned"][0].data_ptr() % 16 != 0
     do = torch.randn(2, 4, 1000, 64, dtype=torch.bfloat16, device="cuda")
     for layout in ("contiguous", "strided", "misaligned", "contiguous"):
-        q, k, v = layouts[layout]
-        for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), attention_with_grads("triton", q, k, v, mask, do),
-                              attention_with_grads("reference", q, k, v, mask, do)):
-            assert_close(a, b, TOL[torch.bfloat16], f"{layout} {name}")
+        check_backend("triton", *layouts[layout], mask, do)
 
 
 @pytest.mark.gpu
@@ -314,10 +297,8 @@ def test_gpu_persistent_forward(pattern, dim, dtype, layout, monkeypatch):
     q, k, v, do = (_layout(x, layout) for x in _inputs(2, heads, heads // 2, seq_len, seq_len, dim, dtype, "cuda"))
     mask = make(pattern, seq_len, block=128, heads=heads, **GPU_PATTERNS[pattern])
     with tuning.recording() as launched:
-        got = attention_with_grads("triton", q, k, v, mask, do)
+        check_backend("triton", q, k, v, mask, do)
     assert launched[0].config.persistent
-    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, attention_with_grads("reference", q, k, v, mask, do)):
-        assert_close(a, b, TOL[dtype], name)
 
 
 @pytest.mark.gpu
