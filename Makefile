@@ -1,5 +1,8 @@
 # Quick start: `make run` (the main job) and `make test` (the suite). Both create .venv first,
-# installing the CPU build torch==2.13.0 when no torch is importable (never an unpinned torch).
+# installing torch==2.13.0 when no torch is importable: pinned, because that is the CPU wheel this
+# machine has on disk, where an unpinned torch would pull GBs of CUDA packages. The venv sees no
+# system site-packages: what the project needs is in pyproject.toml, and other packages' pytest
+# plugins (and their warnings) stay out of the test run.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +11,7 @@ STAMP := $(VENV)/.installed
 .PHONY: install run demo test clean
 
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
