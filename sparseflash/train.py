@@ -162,10 +162,9 @@ def _open_logger(cfg: DictConfig, run_dir: Path, state: TrainState, ctx: Dist) -
     return logger
 
 
-def _resume(resume, run_dir: Path, state: TrainState, parts: dict, ctx: Dist) -> None:
-    """Load the checkpoint that ``resume`` names (``train_state.resume_path``) into ``state`` and
-    ``parts`` (module, optimizer, scheduler, stream), and say where the run starts."""
-    source = resume_path(resume, run_dir)
+def _resume(source: Path | None, resume, run_dir: Path, state: TrainState, parts: dict, ctx: Dist) -> None:
+    """Load the checkpoint ``source`` (what ``resume`` named, see ``train_state.resume_path``) into
+    ``state`` and ``parts`` (module, optimizer, scheduler, stream), and say where the run starts."""
     if source is not None:
         state.load(source, **parts, rank=ctx.rank, device=ctx.device)
     if ctx.main and resume:
@@ -332,6 +331,8 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
     tr, device = cfg.trainer, ctx.device
     import_patterns(cfg.get("import_patterns") or [])
     run_dir = Path(ctx.broadcast(str(_run_dir(cfg, run_dir))))
+    resume = cfg.get("resume", False)
+    source = resume_path(resume, run_dir)  # before the data is loaded: a missing checkpoint fails at once
     if tr.get("num_threads"):
         torch.set_num_threads(int(tr.num_threads))
     seed = int(cfg.seed)
@@ -341,8 +342,8 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
     optimizer, scheduler = _optimizer(module, tr)
     stream = BatchStream(len(task.train), int(tr.batch_size), seed, ctx.rank, ctx.world)
     parts = {"module": module, "optimizer": optimizer, "scheduler": scheduler, "stream": stream}
-    ckpt_path, resume = run_dir / "checkpoints" / "last.pt", cfg.get("resume", False)
-    _resume(resume, run_dir, state, parts, ctx)
+    ckpt_path = run_dir / "checkpoints" / "last.pt"
+    _resume(source, resume, run_dir, state, parts, ctx)
     logger = _open_logger(cfg, run_dir, state, ctx)
     attention = _attention_summary(cfg, task)
     _introduce(task, module, attention, state, logger, ctx, run_dir)

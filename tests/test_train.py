@@ -225,7 +225,7 @@ def test_resume_true_without_a_checkpoint_is_an_error(tmp_path):
         run(make_cfg(tmp_path, "trainer.max_steps=2", "resume=true"), run_dir=tmp_path / "run")
     with pytest.raises(FileNotFoundError, match="no checkpoint at .*nowhere"):
         run(make_cfg(tmp_path, "trainer.max_steps=2", f"resume={tmp_path / 'nowhere'}"), run_dir=tmp_path / "run")
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()  # it failed before the data
 
 
 def test_resume_auto_starts_fresh_then_continues(tmp_path):
