@@ -38,6 +38,7 @@ def hydra_job(tmp_path):
     HydraConfig.instance().set_config(cfg)
     yield cfg, run_dir
     HydraConfig.instance().cfg = None
+    logging.captureWarnings(False)  # cli.job turned it on for the process
 
 
 def test_a_mistake_exits_2_with_one_line(hydra_job, caplog, monkeypatch, tmp_path):
