@@ -53,8 +53,8 @@ def main(cfg: DictConfig) -> None:
 
     with cli.job():
         if ADDED_PRESET:
-            runner.log.info(f"bench: no CUDA device, so the CPU preset bench={ADDED_PRESET} (name a preset, "
-                            f"e.g. bench=h100, or ~bench for the GPU-sized defaults)")
+            runner.log.info(f"bench: the sweep runs on the CPU, so it takes the CPU preset bench={ADDED_PRESET} "
+                            f"(name a preset, e.g. bench=h100, or ~bench for the GPU-sized defaults)")
         why = runner.untimed(runner.run(cfg))
         if why:
             raise cli.RunError(why)
