@@ -54,6 +54,7 @@ from sparseflash.distributed import Dist
 from sparseflash.logging import RunLogger, console_fallback, drop_records_after
 from sparseflash.masks import MaskSpec, import_patterns
 from sparseflash.models import build_model
+from sparseflash.models.lra import ATTENTION_KEYS
 from sparseflash.train_state import TrainState, resume_path
 
 log = logging.getLogger(__name__)
@@ -135,11 +136,13 @@ def _build_model(cfg: DictConfig, task: TaskData, ctx: Dist):
 def _attention_summary(cfg: DictConfig, task: TaskData) -> dict:
     """What a run reports about its attention: the pattern's name, the density and picture of its
     mask at the task's longest input, and the model line's description."""
-    mask = MaskSpec.from_config(cfg.attention, other_keys=("backend",)).build(task.max_len, heads=cfg.model.heads)
+    mask = MaskSpec.from_config(cfg.attention, other_keys=ATTENTION_KEYS).build(task.max_len, heads=cfg.model.heads)
     density = float(mask.density) if hasattr(mask, "density") else 1.0
     attn = cfg.attention
+    score_mod = f", score_mod {attn.score_mod}" if attn.get("score_mod") else ""
     return {"pattern": str(attn.pattern), "density": density, "picture": str(mask),
-            "description": f"{attn.pattern} (block {attn.block}, backend {attn.backend}, density {density:.3f})"}
+            "description": f"{attn.pattern} (block {attn.block}, backend {attn.backend}{score_mod}, "
+                           f"density {density:.3f})"}
 
 
 def _open_logger(cfg: DictConfig, run_dir: Path, state: TrainState, ctx: Dist) -> RunLogger:

@@ -22,6 +22,7 @@ import torch
 import sparseflash
 from sparseflash.attention import resolve_mask
 from sparseflash.attention.reference import reference_attention
+from sparseflash.masks.functions import trace
 
 FACTOR = {torch.float16: 2.0, torch.bfloat16: 2.0, torch.float32: 8.0}
 REL_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-5}
@@ -29,12 +30,19 @@ LSE_TOL = 1e-5  # absolute and relative: |lse - lse_ref| <= LSE_TOL * (1 + |lse_
 NAMES = ("o", "lse", "dq", "dk", "dv")
 
 
-class Outputs(NamedTuple):
+class _Fields(NamedTuple):
     o: torch.Tensor
     lse: torch.Tensor
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
+
+
+class Outputs(_Fields):
+    """``(o, lse, dq, dk, dv)``, and as an attribute ``dcaptures``: the gradients of the tensors a
+    score_mod captures that require grad (kept out of the tuple, which tests unpack)."""
+
+    dcaptures: tuple = ()
 
 
 def _loss(o, lse, do, dlse):
@@ -46,24 +54,35 @@ def _loss(o, lse, do, dlse):
     return loss
 
 
-def _grads(run, q, k, v, do, dlse) -> Outputs:
-    """``run(q, k, v) -> (o, lse)`` and the gradients of ``_loss``; q, k, v keep their layout."""
+def _trained_captures(score_mod) -> tuple[torch.Tensor, ...]:
+    """The tensors ``score_mod`` captures that require grad."""
+    if score_mod is None:
+        return ()
+    return tuple(t for t in trace(score_mod, "score_mod").captures if t.requires_grad)
+
+
+def _grads(run, q, k, v, do, dlse, captures=()) -> Outputs:
+    """``run(q, k, v) -> (o, lse)`` and the gradients of ``_loss`` in q, k, v and ``captures``; q, k, v
+    keep their layout."""
     q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
     o, lse = run(q, k, v)
-    dq, dk, dv = torch.autograd.grad(_loss(o, lse, do, dlse), (q, k, v))
-    return Outputs(o, lse, dq, dk, dv)
+    dq, dk, dv, *dcaptures = torch.autograd.grad(_loss(o, lse, do, dlse), (q, k, v, *captures))
+    out = Outputs(o, lse, dq, dk, dv)
+    out.dcaptures = tuple(dcaptures)
+    return out
 
 
-def attention_with_grads(backend, q, k, v, mask, do, key_lengths=None, *, scale=None, dlse=None) -> Outputs:
-    """``(o, lse, dq, dk, dv)`` of ``sparseflash.attention`` through ``backend`` for the loss
+def attention_with_grads(backend, q, k, v, mask, do, key_lengths=None, *, scale=None, dlse=None,
+                         score_mod=None) -> Outputs:
+    """``(o, lse, dq, dk, dv, dcaptures)`` of ``sparseflash.attention`` through ``backend`` for the loss
     ``sum(o * do)`` (``+ sum(lse * dlse)`` over rows that see a key, with ``dlse``)."""
     def run(q, k, v):
-        return sparseflash.attention(q, k, v, mask, key_lengths=key_lengths, scale=scale, backend=backend,
-                                     return_lse=True)
-    return _grads(run, q, k, v, do, dlse)
+        return sparseflash.attention(q, k, v, mask, score_mod=score_mod, key_lengths=key_lengths, scale=scale,
+                                     backend=backend, return_lse=True)
+    return _grads(run, q, k, v, do, dlse, _trained_captures(score_mod))
 
 
-def _oracle(q, k, v, mask, do, key_lengths, scale, dlse, upcast: bool) -> Outputs:
+def _oracle(q, k, v, mask, do, key_lengths, scale, dlse, upcast: bool, score_mod=None) -> Outputs:
     """The reference in fp64 (``upcast``), or in the inputs' precision."""
     block_mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -71,8 +90,9 @@ def _oracle(q, k, v, mask, do, key_lengths, scale, dlse, upcast: bool) -> Output
         q, k, v, do = (x.double() for x in (q, k, v, do))
     tf32 = (torch.backends.cuda.matmul, "allow_tf32", q.dtype is torch.float32 and q.is_cuda)
     with _flag(*tf32):  # the kernels' fp32 dots are TF32 on a GPU: so is the baseline's
-        return _grads(lambda q, k, v: reference_attention(q, k, v, block_mask, key_lengths, scale, upcast=upcast),
-                      q, k, v, do, dlse)
+        return _grads(lambda q, k, v: reference_attention(q, k, v, block_mask, key_lengths, scale, score_mod,
+                                                          upcast=upcast),
+                      q, k, v, do, dlse, _trained_captures(score_mod))
 
 
 @contextlib.contextmanager
@@ -110,14 +130,19 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, name:
 
 
 def check_outputs(got: Outputs, q, k, v, mask, do, key_lengths=None, *, scale=None, dlse=None,
-                  names=NAMES) -> None:
-    """Judge ``got`` (a backend's ``Outputs`` for these inputs) as the module docstring says."""
+                  names=NAMES, score_mod=None) -> None:
+    """Judge ``got`` (a backend's ``Outputs`` for these inputs) as the module docstring says; the
+    gradients of a score_mod's trained captures as o and the gradients are."""
     dtype = q.dtype
-    want = _oracle(q, k, v, mask, do, key_lengths, scale, dlse, upcast=True)
-    plain = _oracle(q, k, v, mask, do, key_lengths, scale, dlse, upcast=False)
+    want = _oracle(q, k, v, mask, do, key_lengths, scale, dlse, True, score_mod)
+    plain = _oracle(q, k, v, mask, do, key_lengths, scale, dlse, False, score_mod)
     tf32 = dtype is torch.float32 and q.is_cuda
-    for name in names:
-        actual, expected, baseline = getattr(got, name), getattr(want, name), getattr(plain, name)
+    triples = [(name, getattr(got, name), getattr(want, name), getattr(plain, name)) for name in names]
+    triples += [(f"dcapture{i}", *grads) for i, grads in enumerate(zip(got.dcaptures, want.dcaptures,
+                                                                         plain.dcaptures))]
+    for name, actual, expected, baseline in triples:
+        if name.startswith("dcapture"):  # in the captured tensor's dtype: compared in the inputs' terms
+            actual, expected, baseline = actual.to(dtype), expected.to(torch.float64), baseline.to(dtype)
         assert actual.dtype == (torch.float32 if name == "lse" else dtype), f"{name}: dtype {actual.dtype}"
         assert_close(actual, expected, REL_TOL[dtype], name)
         err = max_error(actual, expected)
@@ -133,8 +158,9 @@ def check_outputs(got: Outputs, q, k, v, mask, do, key_lengths=None, *, scale=No
                                 f"{max_error(baseline, expected):.3e} + one rounding step {step:.1e}")
 
 
-def check_backend(backend, q, k, v, mask, do, key_lengths=None, *, scale=None, dlse=None) -> Outputs:
+def check_backend(backend, q, k, v, mask, do, key_lengths=None, *, scale=None, dlse=None,
+                  score_mod=None) -> Outputs:
     """Run ``backend`` on the inputs, judge its outputs (``check_outputs``) and return them."""
-    got = attention_with_grads(backend, q, k, v, mask, do, key_lengths, scale=scale, dlse=dlse)
-    check_outputs(got, q, k, v, mask, do, key_lengths, scale=scale, dlse=dlse)
+    got = attention_with_grads(backend, q, k, v, mask, do, key_lengths, scale=scale, dlse=dlse, score_mod=score_mod)
+    check_outputs(got, q, k, v, mask, do, key_lengths, scale=scale, dlse=dlse, score_mod=score_mod)
     return got

@@ -123,7 +123,7 @@ def test_plots_render(tiny_run):
 
 
 def test_gate_refuses_a_wrong_backend(tmp_path, monkeypatch):
-    def noisy(q, k, v, mask, ctx):
+    def noisy(q, k, v, mask, ctx, score_mod=None):
         def fwd():
             return (q + k + v) * 0 + torch.randn_like(q)  # connected to the inputs, wrong values
         return fwd
@@ -139,6 +139,23 @@ def test_gate_refuses_a_wrong_backend(tmp_path, monkeypatch):
     assert "WRONG" in (tmp_path / "results.md").read_text()
 
 
+def test_mask_and_score_functions_are_swept_and_checked(tmp_path):
+    """Element patterns, ``causal`` and ``score_mod`` in pattern entries: the blocked backend is
+    timed and checked against the reference (which runs the same functions); SDPA skips them."""
+    patterns = [{"name": "sliding_window", "params": {"window": 20}, "causal": True},
+                {"name": "causal", "score_mod": "alibi"},
+                {"name": "document", "params": {"documents": 3}, "score_mod": {"name": "softcap", "params": {"cap": 5}}}]
+    rows = run({**TINY, "seq_lens": [96], "patterns": patterns, "modes": ["fwdbwd"],
+                "backends": ["sparseflash-blocked", "sdpa"], "out_dir": str(tmp_path), "plots": {"enabled": False}})
+    labels = {r["pattern_label"] for r in rows}
+    assert labels == {"sliding_window(window=20) causal", "causal +alibi", "document(documents=3) +softcap"}
+    blocked = [r for r in rows if r["backend"] == "sparseflash-blocked"]
+    assert all(r["status"] == "ok" and r["check_against"] == "reference" and r["check_err"] < 1e-4 for r in blocked)
+    assert all(r["status"] == "skipped" for r in rows if r["backend"] == "sdpa")
+    window = next(r for r in blocked if r["pattern"] == "sliding_window")
+    assert window["density"] == pytest.approx(sum(min(i + 1, 20) for i in range(96)) / 96 ** 2)
+
+
 def test_rows_record_the_tuned_kernel_configs(tmp_path, monkeypatch):
     """A row that runs the Triton kernels names the config each kernel launched with; others leave it empty."""
     from sparseflash.attention import attention
@@ -146,7 +163,7 @@ def test_rows_record_the_tuned_kernel_configs(tmp_path, monkeypatch):
 
     used = []
 
-    def tuned(q, k, v, mask, ctx):  # the blocked kernels' answer, launched through the tuning table
+    def tuned(q, k, v, mask, ctx, score_mod=None):  # the blocked kernels' answer, launched through the tuning table
         def fwd():
             for kernel in ("forward", "backward"):
                 used.append(tuning.run_tuned(kernel, tuning.ConfigKey.of(q, mask, 16), lambda cfg: None))

@@ -6,11 +6,14 @@ from pathlib import Path
 import warnings
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import sparseflash
 from sparseflash.masks import MaskSpec
+from sparseflash.models import build_model
+from sparseflash.models.lra import ATTENTION_KEYS
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 EXPERIMENTS = [None, "smoke", "lra/listops", "lra/pathfinder", "lra/image", "lra/text", "lra/retrieval"]
@@ -23,7 +26,24 @@ def compose_train(overrides, hydra_cfg=False):
 
 
 def test_attention_group_is_complete():
-    assert set(ATTENTIONS) >= {"dense", "causal", "butterfly", "local", "bigbird", "longformer", "strided", "random"}
+    assert set(ATTENTIONS) >= {"dense", "causal", "butterfly", "local", "bigbird", "longformer", "strided", "random",
+                               "sliding_window", "document", "prefix_lm", "dilated"}
+
+
+@pytest.mark.parametrize("score_mod", ["alibi", "softcap", "relative_bias", "{name: softcap, params: {cap: 5.0}}"])
+def test_element_pattern_and_score_mod_from_the_command_line(score_mod):
+    """``attention=sliding_window attention.params.window=N attention.score_mod=...`` builds a model
+    whose every block runs that mask and score function (and a learnable bias is a parameter)."""
+    cfg = compose_train(["attention=sliding_window", "attention.params.window=40", f"attention.score_mod={score_mod}",
+                         "attention.backend=blocked"])
+    model = build_model(cfg.model, cfg.attention, vocab_size=20, max_len=100, num_classes=3)
+    attn = model.encoder.blocks[0].attn
+    assert attn.mask_for(101).mask_mod is not None and attn.score_mod is not None
+    learnable = [n for n, _ in model.named_parameters() if "score_mod" in n]
+    assert bool(learnable) == (score_mod == "relative_bias")
+    x = torch.randint(1, 20, (2, 100))
+    logits = model({"x": x, "lengths": torch.tensor([100, 57])})
+    assert logits.shape == (2, 3) and torch.isfinite(logits).all()
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -35,7 +55,7 @@ def test_preset_times_attention(experiment, attention, tmp_path):
     cfg = compose_train(overrides)
     OmegaConf.resolve(cfg)
     assert cfg.attention.pattern in sparseflash.masks.registered()
-    mask = MaskSpec.from_config(cfg.attention, other_keys=("backend",)).build(512, heads=cfg.model.heads)
+    mask = MaskSpec.from_config(cfg.attention, other_keys=ATTENTION_KEYS).build(512, heads=cfg.model.heads)
     assert 0 < mask.density <= 1
     assert cfg.model.dim % cfg.model.heads == 0
     assert cfg.task.name in ("listops", "pathfinder", "image", "text", "retrieval")
@@ -59,7 +79,7 @@ def test_any_registered_pattern_by_name(pattern):
     cfg = compose_train([f"attention.pattern={pattern}"])  # the default's (butterfly's) params are left over
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        spec = MaskSpec.from_config(cfg.attention, other_keys=("backend",))
+        spec = MaskSpec.from_config(cfg.attention, other_keys=ATTENTION_KEYS)
     assert spec.pattern == pattern and spec.build(256).q_len == 256
 
 

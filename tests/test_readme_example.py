@@ -1,7 +1,7 @@
 """The README's "Define your own pattern" example, verbatim, runs and is right.
 
 The snippet is executed as written (in a private copy of the pattern registry, so that running
-this file twice, or beside another test that registers "dilated", cannot collide). Keep it in
+this file twice, or beside another test that registers "dilated_blocks", cannot collide). Keep it in
 step with README.md.
 """
 
@@ -19,12 +19,12 @@ import torch
 import sparseflash
 from sparseflash import masks
 
-@masks.register("dilated")
-def dilated(n_q, n_kv, dilation: int = 2):
+@masks.register("dilated_blocks")
+def dilated_blocks(n_q, n_kv, dilation: int = 2):
     i, j = torch.meshgrid(torch.arange(n_q), torch.arange(n_kv), indexing="ij")
     return (i - j) % dilation == 0
 
-mask = masks.make("dilated", q_len=4096, block=128, dilation=4)
+mask = masks.make("dilated_blocks", q_len=4096, block=128, dilation=4)
 print(mask.density)  # 0.25
 q = k = v = torch.randn(1, 8, 4096, 64)
 o = sparseflash.attention(q, k, v, mask)
@@ -47,7 +47,7 @@ def test_readme_example(private_registry, capsys):
     assert capsys.readouterr().out.strip() == "0.25"
 
     mask, q, k, v, o = ns["mask"], ns["q"], ns["k"], ns["v"], ns["o"]
-    assert "dilated" in sparseflash.masks.registered()
+    assert "dilated_blocks" in sparseflash.masks.registered()
     assert mask.density == 0.25 and mask.shape == (1, 32, 32) and mask.kind is sparseflash.MaskKind.SPARSE
     expected = torch.tensor([[(i - j) % 4 == 0 for j in range(32)] for i in range(32)])
     assert torch.equal(mask.layout[0], expected)
@@ -61,7 +61,7 @@ def test_readme_example(private_registry, capsys):
 def test_readme_example_with_gradients(private_registry):
     """The registered pattern also works with a smaller input, through backward."""
     ns = _run_example()
-    mask = ns["masks"].make("dilated", q_len=300, block=32, dilation=3)
+    mask = ns["masks"].make("dilated_blocks", q_len=300, block=32, dilation=3)
     assert mask.density == pytest.approx(mask.to_dense().double().mean().item(), abs=1e-12)
     q, k, v = (torch.randn(2, 2, 300, 16, requires_grad=True) for _ in range(3))
     do = torch.randn(2, 2, 300, 16)
@@ -73,8 +73,8 @@ def test_readme_example_with_gradients(private_registry):
         assert_close(a, b, 1e-5, name)
 
 
-def test_registering_dilated_twice_raises(private_registry):
-    """The example registers "dilated" once; running it again defines a new function and raises."""
+def test_registering_the_example_twice_raises(private_registry):
+    """The example registers "dilated_blocks" once; running it again defines a new function and raises."""
     _run_example()
-    with pytest.raises(ValueError, match=r"pattern 'dilated' is already registered"):
+    with pytest.raises(ValueError, match=r"pattern 'dilated_blocks' is already registered"):
         _run_example()

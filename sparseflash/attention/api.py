@@ -11,6 +11,7 @@ import torch
 from sparseflash.attention.blocked import blocked_attention
 from sparseflash.attention.reference import reference_attention
 from sparseflash.masks import DEFAULT_BLOCK, BlockMask, make
+from sparseflash.masks.functions import trace
 
 MaskArg = Union[None, str, BlockMask]
 Backend = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -19,10 +20,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-def _triton_attention(q, k, v, mask, key_lengths, scale):
+def _triton_attention(q, k, v, mask, key_lengths, scale, score_mod):
     from sparseflash.attention.triton import triton_attention  # imports triton only when used
 
-    return triton_attention(q, k, v, mask, key_lengths, scale)
+    return triton_attention(q, k, v, mask, key_lengths, scale, score_mod)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -133,6 +134,7 @@ def attention(
     v: torch.Tensor,
     mask: MaskArg = None,
     *,
+    score_mod: Callable | None = None,
     key_lengths: torch.Tensor | None = None,
     scale: float | None = None,
     backend: str = "auto",
@@ -144,7 +146,12 @@ def attention(
         q: ``(B, H, S_q, D)``; k, v: ``(B, H_kv, S_kv, D)`` with ``H % H_kv == 0`` (GQA), one
             dtype (float16, bfloat16 or float32) and device; ``1 <= D <= 256``.
         mask: ``None`` (dense), ``"causal"`` or a ``BlockMask`` built for ``(S_q, S_kv)`` with
-            1 or H heads. Causal masks align at the top left: query ``i`` sees keys ``<= i``.
+            1 or H heads (and 1 or B batch elements), possibly with an element predicate
+            (``masks.from_mask_mod``). Causal masks align at the top left: query ``i`` sees keys ``<= i``.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's signature),
+            applied to every kept score ``scale * q.k`` (fp32) before the softmax, and differentiated
+            in the backward, its captured tensors that require grad included
+            (``sparseflash.masks.functions`` lists what it may use).
         key_lengths: optional int ``(B,)`` with values in ``[0, S_kv]``; keys at index
             ``>= key_lengths[b]`` are masked (checked on the CPU; not on a GPU, where it would sync).
         scale: softmax scale, default ``1/sqrt(D)``.
@@ -163,9 +170,13 @@ def attention(
     if dtype is not None:
         q, k, v = (x.to(dtype) if isinstance(x, torch.Tensor) else x for x in (q, k, v))
         with torch.autocast(q.device.type, enabled=False):
-            return attention(q, k, v, mask, key_lengths=key_lengths, scale=scale, backend=backend,
-                             return_lse=return_lse)
+            return attention(q, k, v, mask, score_mod=score_mod, key_lengths=key_lengths, scale=scale,
+                             backend=backend, return_lse=return_lse)
     scale = _check_inputs(q, k, v, key_lengths, scale)
     mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1], k.shape[1])
-    o, lse = BACKENDS[resolve_backend(backend, q.device)](q, k, v, mask, key_lengths, scale)
+    if mask.num_batches not in (1, q.shape[0]):
+        raise ValueError(f"mask has {mask.num_batches} batch elements; expected 1 or B={q.shape[0]}")
+    if score_mod is not None:
+        trace(score_mod, "score_mod")  # a function the kernels cannot run fails here, on every backend
+    o, lse = BACKENDS[resolve_backend(backend, q.device)](q, k, v, mask, key_lengths, scale, score_mod)
     return (o, lse) if return_lse else o

@@ -14,9 +14,11 @@ tests as second opinions; they never import ``reference.py``.
   need an element mask (a causal diagonal, the ragged last key tile) are *partial* blocks
   (``kv_num_blocks/kv_indices``). The ``mask_mod`` states the same mask element by element, as
   Flex's contract asks (its eager path ignores the block tables and reads only ``mask_mod``): none
-  for DENSE, ``q_idx >= kv_idx`` for CAUSAL, a lookup in the block layout for SPARSE, and
-  ``kv_idx < key_lengths[b]`` with padding. The compiled kernel evaluates it on partial blocks only,
-  so a mask of full blocks pays nothing for it. Works with torch 2.6 and later.
+  for DENSE, ``q_idx >= kv_idx`` for CAUSAL, a lookup in the block layout for SPARSE (and the mask's
+  own mask_mod, the same Python function sparseflash compiles), and ``kv_idx < key_lengths[b]`` with
+  padding. The compiled kernel evaluates it on partial blocks only, so a mask of full blocks pays
+  nothing for it. A ``score_mod`` is passed through as it is. ``backend="FLASH"`` runs Flex's FLASH
+  backend, FlashAttention-4 (needs its package, ``flash_attn.cute``). Works with torch 2.6 and later.
 """
 
 from __future__ import annotations
@@ -93,16 +95,20 @@ def _mask_mod(mask: BlockMask, layout: torch.Tensor, key_lengths: torch.Tensor |
     """The element-level predicate of ``mask`` (and padding) as a Flex ``mask_mod``, or None."""
     block_m, block_n = mask.block_size
     sparse = mask.kind is MaskKind.SPARSE
-    shared = layout.shape[0] == 1
+    layout = layout if layout.dim() == 4 else layout[None]  # (B_or_1, H_or_1, n_q, n_kv)
+    one_batch, one_head = layout.shape[0] == 1, layout.shape[1] == 1
+    own_mod = mask.mask_mod
     if not sparse and key_lengths is None:
         return _causal if mask.causal else None  # module-level functions: no recompiles
 
     def mask_mod(b, h, q_idx, kv_idx):
         keep = kv_idx >= 0
         if sparse:
-            keep = keep & layout[0 if shared else h, q_idx // block_m, kv_idx // block_n]
+            keep = keep & layout[0 if one_batch else b, 0 if one_head else h, q_idx // block_m, kv_idx // block_n]
         if mask.causal:
             keep = keep & (q_idx >= kv_idx)
+        if own_mod is not None:
+            keep = keep & own_mod(b, h, q_idx, kv_idx)
         if key_lengths is not None:
             keep = keep & (kv_idx < key_lengths[b])
         return keep
@@ -114,8 +120,9 @@ def to_flex_block_mask(mask: BlockMask, device: torch.device | str, key_lengths:
     """A ``torch.nn.attention.flex_attention.BlockMask`` selecting the same scores as ``mask``.
 
     Tiles computed in full become Flex full blocks, the others partial blocks (see the module
-    docstring). Tables are ``[1, H_or_1, n_q]`` / ``[1, H_or_1, n_q, n_kv]`` int32 (batch and shared
-    heads broadcast). With ``key_lengths`` every computed tile is partial, since padding can cut any.
+    docstring). Tables are ``[B_or_1, H_or_1, n_q]`` / ``[B_or_1, H_or_1, n_q, n_kv]`` int32 (a shared
+    batch and shared heads broadcast). With ``key_lengths`` every computed tile is partial, since
+    padding can cut any.
     """
     from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
 
@@ -130,9 +137,9 @@ def to_flex_block_mask(mask: BlockMask, device: torch.device | str, key_lengths:
         full_num, full_idx = torch.zeros_like(part_num), torch.zeros_like(part_idx)
         key_lengths = key_lengths.to(device)
     mask_mod = _mask_mod(mask, mask.layout.to(device), key_lengths)
+    batched = (lambda x: x.contiguous()) if mask.layout.dim() == 4 else (lambda x: x[None].contiguous())
     return FlexBlockMask.from_kv_blocks(
-        part_num[None].contiguous(), part_idx[None].contiguous(),
-        full_num[None].contiguous(), full_idx[None].contiguous(),
+        batched(part_num), batched(part_idx), batched(full_num), batched(full_idx),
         BLOCK_SIZE=mask.block_size, mask_mod=mask_mod, seq_lengths=(mask.q_len, mask.kv_len),
     )
 
@@ -147,12 +154,24 @@ def _raise_recompile_limit(limit: int = 64) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_flex(dynamic: bool | None = None):
-    """``torch.compile(flex_attention)``, one per ``dynamic`` setting (None: automatic)."""
+def compiled_flex(dynamic: bool | None = None, backend: str = "TRITON"):
+    """``torch.compile(flex_attention)``, one per ``dynamic`` setting (None: automatic) and Flex
+    backend (``TRITON``, or ``FLASH`` for FlashAttention-4, compiled for static shapes)."""
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     _raise_recompile_limit()
+    if backend == "FLASH":
+        return torch.compile(functools.partial(flex, kernel_options={"BACKEND": "FLASH"}), dynamic=False)
     return torch.compile(flex, dynamic=dynamic)
+
+
+def _flash_available() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:  # no flash_attn at all
+        return False
 
 
 def flex_attention(
@@ -166,9 +185,17 @@ def flex_attention(
     block_mask=None,
     compile: bool = True,
     dynamic: bool | None = None,
+    score_mod=None,
+    backend: str = "TRITON",
 ) -> torch.Tensor:
     """Attention through FlexAttention. Pass a prebuilt ``block_mask`` (``to_flex_block_mask``) to keep
-    its construction out of a timed loop; ``compile=False`` runs the eager (unfused) path."""
+    its construction out of a timed loop; ``compile=False`` runs the eager (unfused) path;
+    ``backend="FLASH"`` Flex's FlashAttention-4 backend (``Unsupported`` where it is not installed)."""
+    if backend not in ("TRITON", "FLASH"):
+        raise ValueError(f"Flex backend must be TRITON or FLASH; got {backend!r}")
+    if backend == "FLASH" and not _flash_available():
+        raise Unsupported("Flex's FLASH backend needs FlashAttention-4 (the flash_attn.cute package), "
+                          "which is not installed")
     if mask is None:
         from sparseflash.masks import make
 
@@ -176,8 +203,8 @@ def flex_attention(
     if block_mask is None:
         block_mask = to_flex_block_mask(mask, q.device, key_lengths)
     if compile:
-        fn = compiled_flex(dynamic)
+        fn = compiled_flex(dynamic, backend)
     else:
         from torch.nn.attention.flex_attention import flex_attention as fn
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    return fn(q, k, v, block_mask=block_mask, scale=scale, **gqa)
+    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, **gqa)

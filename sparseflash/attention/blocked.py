@@ -7,6 +7,11 @@ online softmax: a running max ``m``, sum ``l`` and unnormalised output, rescaled
 and ``lse = m + log l`` kept for the backward. Memory is O(chunk x tile + the tensors), never
 ``S_q x S_kv``. The backward recomputes each tile's probabilities from ``q, k, lse`` and
 scatters ``dQ`` by query block and ``dK, dV`` by key block. Arithmetic is fp32.
+
+A mask's mask_mod and a score_mod run on each chunk's tiles with broadcast index tensors (positions
+clamped into the sequences, as the kernels do); the backward differentiates the score_mod with
+autograd, chunk by chunk, which also gives the gradients of the tensors it captures. A mask with a
+batch dimension is run one batch element at a time.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from sparseflash.masks import BlockMask, layout_to_tables
+from sparseflash.masks.functions import trace
 
 SCORE_BYTES_PER_CHUNK = 1 << 26  # bounds the fp32 score tiles held at once
 
@@ -48,32 +54,53 @@ def _as_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.view(batch, heads, n, block, dim)
 
 
-def _keep(mask: BlockMask, tiles: _Tiles, part: slice, key_lengths, device) -> torch.Tensor:
-    """Bool ``[B|1, c, bm|1, bn]``: which scores of the chunk's tiles are kept."""
+def _indices(mask: BlockMask, tiles: _Tiles, part: slice, batch: int, first_batch: int, device):
+    """``b (B,1,1,1)``, ``h (1,c,1,1)``, ``q_idx (1,c,bm,1)``, ``kv_idx (1,c,1,bn)`` of the chunk's
+    scores as a mask or score function sees them (positions clamped into the sequences)."""
     block_m, block_n = mask.block_size
+    q_pos = tiles.q_block[part, None] * block_m + torch.arange(block_m, device=device)  # (c, bm)
+    kv_pos = tiles.kv_block[part, None] * block_n + torch.arange(block_n, device=device)  # (c, bn)
+    b = first_batch + torch.arange(batch, device=device)[:, None, None, None]
+    return (b, tiles.head[part][None, :, None, None], q_pos.clamp(max=mask.q_len - 1)[None, :, :, None],
+            kv_pos.clamp(max=mask.kv_len - 1)[None, :, None, :])
+
+
+def _keep(mask: BlockMask, tiles: _Tiles, part: slice, key_lengths, idx) -> torch.Tensor:
+    """Bool ``[B|1, c, bm|1, bn]``: which scores of the chunk's tiles are kept (``idx``: ``_indices``)."""
+    block_m, block_n = mask.block_size
+    device = tiles.kv_block.device
     kv_pos = tiles.kv_block[part, None] * block_n + torch.arange(block_n, device=device)  # (c, bn)
     keep = (kv_pos < mask.kv_len)[None, :, None, :]
     if mask.causal:
         q_pos = tiles.q_block[part, None] * block_m + torch.arange(block_m, device=device)  # (c, bm)
         keep = keep & (q_pos[:, :, None] >= kv_pos[:, None, :])[None]
+    if mask.mask_mod is not None:
+        keep = keep & mask.mask_mod(*idx)
     if key_lengths is not None:
         keep = keep & (kv_pos[None] < key_lengths.to(device)[:, None, None])[:, :, None, :]
     return keep
 
 
-def _tile_scores(q_blk, k_blk, tiles, part, keep, scale) -> torch.Tensor:
-    """fp32 scores of the chunk's tiles ``[B, c, bm, bn]``, dropped ones ``-inf``."""
+def _raw_scores(q_blk, k_blk, tiles, part, scale) -> torch.Tensor:
+    """fp32 ``scale * q.k`` of the chunk's tiles ``[B, c, bm, bn]``."""
     q_t = q_blk[:, tiles.head[part], tiles.q_block[part]]  # (B, c, bm, D)
     k_t = k_blk[:, tiles.kv_head[part], tiles.kv_block[part]]  # (B, c, bn, D)
-    return (q_t @ k_t.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+    return q_t @ k_t.transpose(-1, -2) * scale
+
+
+def _tile_scores(raw, keep, score_mod, idx) -> torch.Tensor:
+    """The chunk's scores after ``score_mod``, dropped ones ``-inf``."""
+    s = raw if score_mod is None else score_mod(raw, *idx)
+    return s.masked_fill(~keep, float("-inf"))
 
 
 def _finite(m: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(torch.isinf(m) & (m < 0), torch.full_like(m, fill), m)
 
 
-def blocked_forward(q, k, v, mask: BlockMask, key_lengths, scale):
-    """Returns ``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32."""
+def blocked_forward(q, k, v, mask: BlockMask, key_lengths, scale, score_mod=None, first_batch: int = 0):
+    """Returns ``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32; ``first_batch``: the
+    batch index of q's first element (what the mask and score functions see)."""
     batch, heads, q_len, dim = q.shape
     block_m, block_n = mask.block_size
     n_q = mask.layout.shape[1]
@@ -83,8 +110,9 @@ def blocked_forward(q, k, v, mask: BlockMask, key_lengths, scale):
     l = torch.zeros_like(m)
     acc = torch.zeros(batch, heads * n_q, block_m, dim, device=q.device)
     for part in tiles.chunks(batch, block_m, block_n):
-        keep = _keep(mask, tiles, part, key_lengths, q.device)
-        s = _tile_scores(q_blk, k_blk, tiles, part, keep, scale)  # (B, c, bm, bn)
+        idx = _indices(mask, tiles, part, batch, first_batch, q.device)
+        keep = _keep(mask, tiles, part, key_lengths, idx)
+        s = _tile_scores(_raw_scores(q_blk, k_blk, tiles, part, scale), keep, score_mod, idx)  # (B, c, bm, bn)
         m_tile = s.amax(-1)
         p = torch.exp(s - _finite(m_tile, 0.0)[..., None])
         row = tiles.row[part]
@@ -104,8 +132,10 @@ def blocked_forward(q, k, v, mask: BlockMask, key_lengths, scale):
     return o.to(q.dtype), lse
 
 
-def blocked_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale):
-    """Gradients ``dq, dk, dv`` (dtypes of the inputs) of a loss through ``o`` and ``lse``."""
+def blocked_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale, score_mod=None,
+                     first_batch: int = 0, captures: tuple = ()):
+    """Gradients ``dq, dk, dv`` (dtypes of the inputs) of a loss through ``o`` and ``lse``, and those
+    of ``captures``, the score function's captured tensors that require grad (fp32)."""
     batch, heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     block_m, block_n = mask.block_size
@@ -123,15 +153,24 @@ def blocked_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, sc
     dq = torch.zeros(batch, heads * n_q, block_m, dim, device=q.device)
     dk = torch.zeros(batch, kv_heads * n_kv, block_n, dim, device=q.device)
     dv = torch.zeros_like(dk)
+    capture_grads = [torch.zeros(t.shape, device=t.device) for t in captures]
     for part in tiles.chunks(batch, block_m, block_n):
-        keep = _keep(mask, tiles, part, key_lengths, q.device)
+        idx = _indices(mask, tiles, part, batch, first_batch, q.device)
+        keep = _keep(mask, tiles, part, key_lengths, idx)
         row = tiles.row[part]
-        p = torch.exp(_tile_scores(q_blk, k_blk, tiles, part, keep, scale) - lse_blk[:, row, :, None])
+        with torch.enable_grad():
+            raw = _raw_scores(q_blk, k_blk, tiles, part, scale).requires_grad_(score_mod is not None)
+            s = _tile_scores(raw, keep, score_mod, idx)
+        p = torch.exp(s.detach() - lse_blk[:, row, :, None])
         k_t = k_blk[:, tiles.kv_head[part], tiles.kv_block[part]]
         v_t = v_blk[:, tiles.kv_head[part], tiles.kv_block[part]]
         q_t = q_blk[:, tiles.head[part], tiles.q_block[part]]
         do_t = do_blk[:, tiles.head[part], tiles.q_block[part]]
-        ds = p * (do_t @ v_t.transpose(-1, -2) - delta[:, row, :, None])  # (B, c, bm, bn)
+        ds = p * (do_t @ v_t.transpose(-1, -2) - delta[:, row, :, None])  # (B, c, bm, bn), d loss / d s
+        if score_mod is not None:  # d loss / d raw score, and the captured tensors' share
+            ds, *shares = torch.autograd.grad(s, (raw, *captures), ds)
+            for grad, share in zip(capture_grads, shares):
+                grad += share
         col = tiles.kv_head[part] * n_kv + tiles.kv_block[part]
         dq.index_add_(1, row, ds @ k_t * scale)
         dk.index_add_(1, col, ds.transpose(-1, -2) @ q_t * scale)
@@ -139,27 +178,40 @@ def blocked_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, sc
     dq = dq.view(batch, heads, n_q * block_m, dim)[:, :, :q_len]
     dk = dk.view(batch, kv_heads, n_kv * block_n, dim)[:, :, :kv_len]
     dv = dv.view(batch, kv_heads, n_kv * block_n, dim)[:, :, :kv_len]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), capture_grads
 
 
 class BlockedAttentionFunction(torch.autograd.Function):
-    """Autograd for the blocked loop: saves ``q, k, v, o, lse`` (and the mask)."""
+    """Autograd for the blocked loop: saves ``q, k, v, o, lse`` (and the mask). The score function's
+    captured tensors that require grad are inputs too, so that they get their gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, key_lengths, scale):
-        o, lse = blocked_forward(q, k, v, mask, key_lengths, scale)
+    def forward(ctx, q, k, v, mask, key_lengths, scale, score_mod, first_batch, *captures):
+        o, lse = blocked_forward(q, k, v, mask, key_lengths, scale, score_mod, first_batch)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.mask, ctx.key_lengths, ctx.scale = mask, key_lengths, scale
+        ctx.mask, ctx.key_lengths, ctx.scale, ctx.score_mod = mask, key_lengths, scale, score_mod
+        ctx.first_batch, ctx.captures = first_batch, captures
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):  # a backward run under autocast stays fp32
-            dq, dk, dv = blocked_backward(q, k, v, o, lse, do, dlse, ctx.mask, ctx.key_lengths, ctx.scale)
-        return dq, dk, dv, None, None, None
+            dq, dk, dv, capture_grads = blocked_backward(q, k, v, o, lse, do, dlse, ctx.mask, ctx.key_lengths,
+                                                         ctx.scale, ctx.score_mod, ctx.first_batch, ctx.captures)
+        return (dq, dk, dv, None, None, None, None, None,
+                *(g.to(t.dtype) for g, t in zip(capture_grads, ctx.captures)))
 
 
-def blocked_attention(q, k, v, mask: BlockMask, key_lengths, scale):
-    """``(o, lse)`` through the blocked loop, differentiable in ``q, k, v``."""
-    return BlockedAttentionFunction.apply(q, k, v, mask, key_lengths, scale)
+def blocked_attention(q, k, v, mask: BlockMask, key_lengths, scale, score_mod=None):
+    """``(o, lse)`` through the blocked loop, differentiable in ``q, k, v`` and in the tensors
+    ``score_mod`` captures; a mask with a batch dimension runs one batch element at a time."""
+    captures = [t for t in trace(score_mod, "score_mod").captures if t.requires_grad] if score_mod else []
+    if mask.num_batches == 1:
+        return BlockedAttentionFunction.apply(q, k, v, mask.batch_view(0), key_lengths, scale, score_mod, 0,
+                                              *captures)
+    outs = [BlockedAttentionFunction.apply(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask.batch_view(b),
+                                           None if key_lengths is None else key_lengths[b:b + 1], scale, score_mod,
+                                           b, *captures)
+            for b in range(q.shape[0])]
+    return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])

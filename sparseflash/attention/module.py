@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import torch
 from einops import rearrange
 from torch import nn
 
 from sparseflash.attention.api import attention
+from sparseflash.attention.score_mods import make_score_mod
 from sparseflash.masks import BlockMask, MaskSpec
 
 # None (dense) | "causal" | a pattern name | a MaskSpec or its fields as a mapping ({"pattern": name,
 # "block": 128, "causal": False, "per_head": False, "params": {...}}) | a BlockMask built for one length.
 AttentionMask = Union[None, str, Mapping[str, Any], MaskSpec, BlockMask]
+# None | a registered score function's name | {"name": ..., "params": {...}} | a score_mod callable
+# (an nn.Module one is held as a submodule, so that its parameters train).
+ScoreModArg = Union[None, str, Mapping[str, Any], Callable]
 
 
 class SparseAttention(nn.Module):
@@ -27,10 +31,12 @@ class SparseAttention(nn.Module):
             each sequence length met (and cached); a ``BlockMask`` serves its own length only.
         backend: an ``attention`` backend name.
         dropout: dropout on the output projection.
+        score_mod: see ``ScoreModArg``; a name is made for ``heads`` heads (``make_score_mod``).
     """
 
     def __init__(self, dim: int, heads: int, mask: AttentionMask = None, backend: str = "auto",
-                 kv_heads: int | None = None, dropout: float = 0.0, bias: bool = True):
+                 kv_heads: int | None = None, dropout: float = 0.0, bias: bool = True,
+                 score_mod: ScoreModArg = None):
         super().__init__()
         kv_heads = kv_heads or heads
         if dim % heads or heads % kv_heads:
@@ -40,18 +46,21 @@ class SparseAttention(nn.Module):
         self.backend = backend
         self.mask = mask if mask is None or isinstance(mask, BlockMask) else MaskSpec.from_config(mask)
         self._masks: dict[int, BlockMask] = {}
+        self.score_mod = _score_mod(score_mod, heads)
         self.to_q = nn.Linear(dim, dim, bias=bias)
         self.to_kv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=bias)
         self.to_out = nn.Linear(dim, dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
-    def mask_for(self, seq_len: int) -> BlockMask | None:
-        """The mask used at ``seq_len`` (built once per length from a spec; None: dense)."""
+    def mask_for(self, seq_len: int, device: torch.device | str | None = None) -> BlockMask | None:
+        """The mask used at ``seq_len`` (built on ``device`` once per length and device from a spec;
+        None: dense)."""
         if not isinstance(self.mask, MaskSpec):
             return self.mask
-        if seq_len not in self._masks:
-            self._masks[seq_len] = self.mask.build(seq_len, heads=self.heads)
-        return self._masks[seq_len]
+        key = (seq_len, None if device is None else str(torch.device(device)))
+        if key not in self._masks:
+            self._masks[key] = self.mask.build(seq_len, heads=self.heads, device=device)
+        return self._masks[key]
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.dim:
@@ -59,5 +68,18 @@ class SparseAttention(nn.Module):
                              f"got {tuple(x.shape)}")
         q = rearrange(self.to_q(x), "b s (h d) -> b h s d", h=self.heads)
         k, v = rearrange(self.to_kv(x), "b s (two h d) -> two b h s d", two=2, h=self.kv_heads)
-        o = attention(q, k, v, self.mask_for(x.shape[1]), key_lengths=key_lengths, backend=self.backend)
+        o = attention(q, k, v, self.mask_for(x.shape[1], x.device), score_mod=self.score_mod, key_lengths=key_lengths,
+                      backend=self.backend)
         return self.dropout(self.to_out(rearrange(o, "b h s d -> b s (h d)")))
+
+
+def _score_mod(score_mod: ScoreModArg, heads: int) -> Callable | None:
+    """``score_mod`` as a callable: a name or ``{"name", "params"}`` made by ``make_score_mod``."""
+    if score_mod is None or callable(score_mod):
+        return score_mod
+    if isinstance(score_mod, str):
+        return make_score_mod(score_mod, heads)
+    if isinstance(score_mod, Mapping) and set(score_mod) <= {"name", "params"} and "name" in score_mod:
+        return make_score_mod(str(score_mod["name"]), heads, **dict(score_mod.get("params") or {}))
+    raise ValueError(f"score_mod must be None, a registered name, {{'name': ..., 'params': {{...}}}} or a "
+                     f"callable; got {score_mod!r}")

@@ -3,8 +3,10 @@
 It defines sparseflash's semantics; every other backend is tested against it:
 - scores ``s = scale * q @ k^T`` in fp32 for each query head; with GQA query head ``h`` reads
   key/value head ``h // (H // H_kv)``;
-- a score is kept when the mask keeps it (``BlockMask.to_dense()``) and its key index is below
-  ``key_lengths[b]``; dropped scores get no probability;
+- a ``score_mod(score, b, h, q_idx, kv_idx)`` replaces each score (called once on the whole
+  ``(B, H, S_q, S_kv)`` score tensor with broadcast index tensors);
+- a score is kept when the mask keeps it (``BlockMask.to_dense()``, its mask_mod included) and its
+  key index is below ``key_lengths[b]``; dropped scores get no probability;
 - a query row that keeps no score has output 0, log-sum-exp ``-inf`` and zero gradients (never NaN);
 - the output has the dtype of ``q``; ``lse`` (natural log) is fp32.
 """
@@ -18,11 +20,18 @@ from sparseflash.masks import BlockMask
 
 def allowed_scores(mask: BlockMask, key_lengths: torch.Tensor | None, batch: int, device) -> torch.Tensor:
     """Element-level bool ``[B or 1, H_or_1, S_q, S_kv]``: True where a score is kept."""
-    allowed = mask.to(device).to_dense()[None]
+    allowed = mask.to(device).to_dense()
+    allowed = allowed if allowed.dim() == 4 else allowed[None]
     if key_lengths is not None:
         kv_idx = torch.arange(mask.kv_len, device=device)
         allowed = allowed & (kv_idx[None, :] < key_lengths.to(device)[:, None])[:, None, None, :]
     return allowed
+
+
+def score_mod_indices(s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``b, h, q_idx, kv_idx`` as int64 tensors that broadcast against scores ``s (B, H, S_q, S_kv)``."""
+    return tuple(torch.arange(n, device=s.device).view([-1 if i == d else 1 for i in range(4)])
+                 for d, n in enumerate(s.shape))
 
 
 def reference_attention(
@@ -32,6 +41,7 @@ def reference_attention(
     mask: BlockMask,
     key_lengths: torch.Tensor | None,  # (B,) int
     scale: float,
+    score_mod=None,
     *,
     upcast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +56,8 @@ def reference_attention(
     vf = v.to(work).repeat_interleave(groups, dim=1)
     allowed = allowed_scores(mask, key_lengths, q.shape[0], q.device)  # (B|1, H|1, S_q, S_kv)
     s = (qf @ kf.transpose(-1, -2)) * scale
+    if score_mod is not None:
+        s = score_mod(s, *score_mod_indices(s))
     s = s.to(torch.promote_types(work, torch.float32)).masked_fill(~allowed, float("-inf"))
     empty = ~allowed.any(-1, keepdim=True)  # rows that keep no score
     s = s.masked_fill(empty, 0.0)  # keeps softmax and its gradient finite on those rows

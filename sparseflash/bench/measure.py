@@ -162,7 +162,8 @@ def head_slice(mask: BlockMask, heads: int) -> BlockMask:
     """``mask`` for the first ``heads`` heads (a shared layout stays shared)."""
     if mask.num_heads == 1:
         return mask
-    return BlockMask(mask.layout[:heads], mask.block_size, mask.q_len, mask.kv_len, mask.causal)
+    return BlockMask(mask.layout[..., :heads, :, :], mask.block_size, mask.q_len, mask.kv_len, mask.causal,
+                     mask.mask_mod)
 
 
 def slice_inputs(q, k, v, do, heads: int):

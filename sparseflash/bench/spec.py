@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from sparseflash import masks
+from sparseflash.attention.score_mods import make_score_mod, registered_score_mods
 from sparseflash.bench.backends import REGISTRY
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
@@ -33,10 +34,12 @@ def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: i
 
 @dataclass(frozen=True)
 class PatternSpec:
-    """A mask of the sweep, its block left to the sweep's ``block``; ``label`` names it in rows and plots."""
+    """A mask of the sweep, its block left to the sweep's ``block``, and optionally a registered score
+    function (``score_mod``: its name and parameters); ``label`` names it in rows and plots."""
 
     mask: masks.MaskSpec
     label: str
+    score_mod: tuple[str, tuple] | None = None
 
     @property
     def name(self) -> str:
@@ -46,8 +49,15 @@ class PatternSpec:
     def params(self) -> tuple:
         return self.mask.params
 
-    def make(self, seq_len: int, block: int, heads: int) -> masks.BlockMask:
-        return dataclasses.replace(self.mask, block=block).build(seq_len, heads=heads)
+    def make(self, seq_len: int, block: int, heads: int, device=None) -> masks.BlockMask:
+        return dataclasses.replace(self.mask, block=block).build(seq_len, heads=heads, device=device)
+
+    def make_score_mod(self, heads: int, device: torch.device):
+        """The score function for ``heads`` heads, its tensors on ``device`` (None without one)."""
+        if self.score_mod is None:
+            return None
+        fn = make_score_mod(self.score_mod[0], heads, **dict(self.score_mod[1]))
+        return fn.to(device) if isinstance(fn, torch.nn.Module) else fn
 
     @property
     def params_json(self) -> str:
@@ -72,30 +82,48 @@ def _as_list(value: Any) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+ENTRY_KEYS = ("name", "params", "label", "causal", "score_mod")
+
+
+def _score_mod_entry(value: Any) -> tuple[str, tuple] | None:
+    """A pattern entry's ``score_mod``: a registered name or ``{name: ..., params: {...}}``."""
+    if value is None:
+        return None
+    name, params = (value, {}) if isinstance(value, str) else (value.get("name"), dict(value.get("params") or {}))
+    if name not in registered_score_mods():
+        raise ValueError(f"unknown score_mod {name!r}; registered: {', '.join(registered_score_mods())}")
+    return str(name), tuple(sorted(params.items()))
+
+
 def parse_patterns(entries: Any, defaults: Mapping[str, Mapping] | None = None) -> list[PatternSpec]:
     """``[dense, {name: local, params: {window: 4}}, ...]`` -> ``PatternSpec`` list.
 
     A string entry takes the defaults of ``pattern_params[name]`` (e.g. ``local: {window: 2}``); a
-    mapping's ``params`` are merged over them; ``label`` is optional (default ``name`` or
-    ``name(k=v,...)`` when it has parameters)."""
+    mapping's ``params`` are merged over them; ``causal`` adds the causal predicate, ``score_mod`` a
+    registered score function (``alibi`` or ``{name: softcap, params: {cap: 30}}``); ``label`` is
+    optional (default ``name`` or ``name(k=v,...)`` when it has parameters, then ``causal`` and the
+    score function)."""
     defaults = _plain(defaults) or {}
     out = []
     for entry in _as_list(entries):
         entry = _plain(entry)
         if isinstance(entry, str):
-            name, params, label = entry, {}, None
-        elif isinstance(entry, Mapping) and "name" in entry:
-            name, params, label = entry["name"], dict(entry.get("params") or {}), entry.get("label")
-            unknown = set(entry) - {"name", "params", "label"}
-            if unknown:
-                raise ValueError(f"pattern entry {entry!r}: unknown keys {sorted(unknown)} (use name, params, label)")
-        else:
+            entry = {"name": entry}
+        if not isinstance(entry, Mapping) or "name" not in entry:
             raise ValueError(f"a pattern is a name or {{name: ..., params: {{...}}}}; got {entry!r}")
+        unknown = set(entry) - set(ENTRY_KEYS)
+        if unknown:
+            raise ValueError(f"pattern entry {entry!r}: unknown keys {sorted(unknown)} (use {', '.join(ENTRY_KEYS)})")
+        name, label = entry["name"], entry.get("label")
         # checked here: an unknown name lists the registered ones, an unknown parameter the pattern's
-        mask = masks.MaskSpec(name, {**dict(defaults.get(name) or {}), **params}, per_head=True)
+        mask = masks.MaskSpec(name, {**dict(defaults.get(name) or {}), **dict(entry.get("params") or {})},
+                              causal=bool(entry.get("causal", False)), per_head=True)
+        score_mod = _score_mod_entry(entry.get("score_mod"))
         if label is None:
             label = name + ("(" + ",".join(f"{k}={v}" for k, v in mask.params) + ")" if mask.params else "")
-        out.append(PatternSpec(mask, str(label)))
+            label += " causal" if mask.causal and not masks.get(name).causal else ""
+            label += f" +{score_mod[0]}" if score_mod else ""
+        out.append(PatternSpec(mask, str(label), score_mod))
     labels = [p.label for p in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"pattern labels must be unique; got {labels} (give entries a label)")
@@ -219,5 +247,7 @@ class BenchConfig:
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        out["patterns"] = [{"name": p.name, "params": dict(p.params), "label": p.label} for p in self.patterns]
+        out["patterns"] = [{"name": p.name, "params": dict(p.params), "label": p.label, "causal": p.mask.causal,
+                            "score_mod": p.score_mod and {"name": p.score_mod[0], "params": dict(p.score_mod[1])}}
+                           for p in self.patterns]
         return out

@@ -47,8 +47,8 @@ class _Trusted:
     backend and mode: the reference on batch 0 and as many heads as fit ``reference_max_gb``;
     if not even one head fits, the first ``check.trusted`` backend that can run the case."""
 
-    def __init__(self, cfg: BenchConfig, ctx: Context, q, k, v, do, mask: BlockMask):
-        self.cfg, self.ctx, self.inputs, self.mask = cfg, ctx, (q, k, v, do), mask
+    def __init__(self, cfg: BenchConfig, ctx: Context, q, k, v, do, mask: BlockMask, score_mod=None):
+        self.cfg, self.ctx, self.inputs, self.mask, self.score_mod = cfg, ctx, (q, k, v, do), mask, score_mod
         self._cache: dict[str, Optional[dict]] = {}
 
     def get(self, tested: str) -> tuple[str, Optional[dict]]:
@@ -68,11 +68,11 @@ class _Trusted:
     def _compute(self, name: str, heads: int) -> Optional[dict]:
         backend = REGISTRY[name]
         q, k, v, do = self.inputs
-        if name != "reference" and backend.skip_reason(q, self.mask, self.ctx):
+        if name != "reference" and backend.skip_reason(q, self.mask, self.ctx, self.score_mod):
             return None
 
         def fn(qs, ks, vs, mask):
-            return backend.build(qs, ks, vs, mask, self.ctx)()
+            return backend.build(qs, ks, vs, mask, self.ctx, self.score_mod)()
 
         try:
             return measure.trusted_outputs(fn, q, k, v, do, self.mask, heads)
@@ -83,16 +83,16 @@ class _Trusted:
 
 
 def prepare_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: BlockMask,
-                cfg: BenchConfig, ctx: Context, trusted: _Trusted) -> Optional[measure.Step]:
+                cfg: BenchConfig, ctx: Context, trusted: _Trusted, score_mod=None) -> Optional[measure.Step]:
     """Build one backend on one case, run its first call and the correctness gate; return the step
     to time, or None with ``row``'s status and reason saying why it is not timed."""
     backend = REGISTRY[backend_name]
-    reason = backend.skip_reason(q, mask, ctx)
+    reason = backend.skip_reason(q, mask, ctx, score_mod)
     if reason:
         row.update(status="skipped", reason=reason)
         return None
     try:
-        fwd = backend.build(q, k, v, mask, ctx)
+        fwd = backend.build(q, k, v, mask, ctx, score_mod)
         with _kernel_configs(row):
             (o, dgrads), row["first_call_ms"] = measure.wall_ms(lambda: measure.run_once(fwd, mode, q, k, v, do),
                                                                 ctx.device)
@@ -190,9 +190,10 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
                     input_error = ("out of memory for the inputs" if _is_oom(err) else _first_line(err))
                     _free(device)
                 for pattern in cfg.patterns:
-                    mask = pattern.make(seq_len, cfg.block, heads).to(device)
+                    mask = pattern.make(seq_len, cfg.block, heads, device)
+                    score_mod = pattern.make_score_mod(heads, device)
                     density, kind = mask.density, mask.kind.value
-                    trusted = None if input_error else _Trusted(cfg, ctx, q, k, v, do, mask)
+                    trusted = None if input_error else _Trusted(cfg, ctx, q, k, v, do, mask, score_mod)
                     for mode in cfg.modes:
                         case_rows, prepared = [], []
                         for backend in cfg.backends:
@@ -213,7 +214,8 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
                             if input_error:
                                 row.update(status="skipped", reason=input_error)
                             else:
-                                step = prepare_one(row, backend, mode, q, k, v, do, mask, cfg, ctx, trusted)
+                                step = prepare_one(row, backend, mode, q, k, v, do, mask, cfg, ctx, trusted,
+                                                   score_mod)
                                 if step is not None:
                                     prepared.append((row, step))
                             case_rows.append(row)

@@ -6,24 +6,30 @@ A mask is kept at block granularity. The score matrix of one head, ``q_len x kv_
 into tiles of ``SPARSE_BLOCK_M x SPARSE_BLOCK_N`` (``block_size``); the last row and column of
 tiles may be ragged when the lengths are not multiples of the block. ``layout`` is a bool tensor
 ``[H_or_1, n_q_blocks, n_kv_blocks]``: True means the tile is computed, False means it is never
-loaded, multiplied or stored. A leading dimension of 1 is shared by every head.
+loaded, multiplied or stored. A leading dimension of 1 is shared by every head. A mask whose element
+predicate depends on the batch element has a batch dimension in front: ``[B, H_or_1, n_q, n_kv]``.
 
-Inside computed tiles one element-level predicate may apply: ``causal`` keeps the score
-``(q_idx, kv_idx)`` only when ``q_idx >= kv_idx``. Indices are absolute positions counted from 0
+Inside computed tiles element-level predicates may apply: ``causal`` keeps the score
+``(q_idx, kv_idx)`` only when ``q_idx >= kv_idx``, and ``mask_mod(b, h, q_idx, kv_idx)`` (FlexAttention's
+signature, ``sparseflash.masks.functions``) keeps the scores where it is True. The mask_mod is
+evaluated once per tile, in chunks, on the mask's device, when the mask is built: a tile where it keeps
+nothing is switched off, one where it keeps everything is full (the kernels never evaluate it there),
+the others are partial. Indices are absolute positions counted from 0
 for both queries and keys (top-left alignment, as ``torch.nn.functional.scaled_dot_product_attention``
 with ``is_causal=True`` and FlexAttention's ``q_idx >= kv_idx``): with ``q_len < kv_len`` the last
 keys are never seen, with ``q_len > kv_len`` the last queries see every key.
 
-The stored layout is canonical: tiles that the causal predicate empties entirely are switched off
-on construction, so two masks that select the same elements compare equal.
+The stored layout is canonical: tiles that the predicates empty entirely are switched off on
+construction, so two masks without a mask_mod that select the same elements compare equal.
 
 Derived, cached per device (``tables(device)``):
 - row tables ``kv_num_blocks [H, n_q]``, ``kv_indices [H, n_q, n_kv]`` (ascending; entries past
   ``kv_num_blocks`` are padding and never read) for the forward and dQ passes;
 - column tables ``q_num_blocks [H, n_kv]``, ``q_indices [H, n_kv, n_q]`` for the dK/dV pass;
 - each split into *full* tiles (every element kept and in bounds: no element mask needed) and
-  *partial* tiles (a causal diagonal, or a ragged last tile of keys or of queries: the kernel
-  applies the element mask and the bounds).
+  *partial* tiles (a causal diagonal, a tile the mask_mod cuts, or a ragged last tile of keys or of
+  queries: the kernel applies the element mask and the bounds);
+- tables carry the layout's leading dimensions (``[B, H, ...]`` for a batch-dependent mask).
 
 A row of queries with no computed tile is legal: its output is 0 and its log-sum-exp ``-inf``.
 """
@@ -32,8 +38,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
+
+from sparseflash.masks.functions import Graph, trace
+
+MaskMod = Callable[..., torch.Tensor]  # (b, h, q_idx, kv_idx) -> bool
+EVAL_ELEMENTS = 1 << 24  # the mask_mod is evaluated on at most this many scores at a time
 
 MIN_BLOCK, MAX_BLOCK = 16, 256
 DEFAULT_BLOCK = 128  # the mask block wherever none is given
@@ -100,12 +112,16 @@ class BlockMask:
     """A block-sparse attention mask; see the module docstring for its storage and semantics.
 
     Args:
-        layout: bool ``[n_q_blocks, n_kv_blocks]`` or ``[H_or_1, n_q_blocks, n_kv_blocks]``.
+        layout: bool ``[n_q_blocks, n_kv_blocks]``, ``[H_or_1, n_q_blocks, n_kv_blocks]`` or, for a
+            batch-dependent mask_mod, ``[B, H_or_1, n_q_blocks, n_kv_blocks]``.
         block_size: ``SPARSE_BLOCK_M`` (queries) and ``SPARSE_BLOCK_N`` (keys), powers of two
             from 16 to 256; an int sets both.
         q_len, kv_len: sequence lengths; default ``n_blocks * block``. The last block may be
             ragged: ``ceil(len / block)`` must equal the number of blocks.
         causal: apply ``q_idx >= kv_idx`` inside the computed tiles.
+        mask_mod: ``(b, h, q_idx, kv_idx) -> bool``, applied inside the computed tiles (checked and
+            classified per tile here). ``b`` runs over the layout's batch dimension (0 without one),
+            ``h`` over its heads (0 for a shared layout).
     """
 
     def __init__(
@@ -115,19 +131,20 @@ class BlockMask:
         q_len: int | None = None,
         kv_len: int | None = None,
         causal: bool = False,
+        mask_mod: Optional[MaskMod] = None,
     ):
         layout = torch.as_tensor(layout)
         if layout.dim() == 2:
             layout = layout.unsqueeze(0)
-        if layout.dim() != 3:
+        if layout.dim() not in (3, 4):
             raise ValueError(
-                f"layout must be [n_q_blocks, n_kv_blocks] or [H, n_q_blocks, n_kv_blocks]; "
-                f"got shape {tuple(layout.shape)}"
+                f"layout must be [n_q_blocks, n_kv_blocks], [H, n_q_blocks, n_kv_blocks] or "
+                f"[B, H, n_q_blocks, n_kv_blocks]; got shape {tuple(layout.shape)}"
             )
         if layout.dtype != torch.bool:
             raise ValueError(f"layout must be a bool tensor; got dtype {layout.dtype}")
         block_m, block_n = normalize_block_size(block_size)
-        _, n_q, n_kv = layout.shape
+        n_q, n_kv = layout.shape[-2:]
         q_len = n_q * block_m if q_len is None else int(q_len)
         kv_len = n_kv * block_n if kv_len is None else int(kv_len)
         for name, length, n, block in (("q_len", q_len, n_q, block_m), ("kv_len", kv_len, n_kv, block_n)):
@@ -141,22 +158,46 @@ class BlockMask:
         self.block_size = (block_m, block_n)
         self.q_len, self.kv_len = q_len, kv_len
         self.causal = bool(causal)
+        self.mask_mod = mask_mod
         visible, partial = self._tile_classes(layout.device)
-        self.layout = (layout & visible).contiguous()
-        self._visible_tiles, self._partial_tiles = visible, partial
+        layout = layout & visible
+        self._mod_kept = None  # per tile, the scores the mask_mod keeps (with causal and bounds)
+        if mask_mod is not None:
+            self._mask_graph = trace(mask_mod, "mask_mod")  # a function the kernels cannot run fails here
+            kept = _count_kept(mask_mod, self.causal, layout, self.block_size, q_len, kv_len)
+            layout = kept > 0
+            partial = partial | (kept < self._kept_per_tile().to(kept.device))
+            self._mod_kept = kept
+        self.layout = layout.contiguous()
+        self._partial_tiles = partial
         self._tables: dict[str, BlockTables] = {}
         # What a backend derives from this mask and keeps while the mask lives, under its own key.
         self.derived: dict[str, dict] = {}
+
+    @classmethod
+    def _restore(cls, layout, block_size, q_len, kv_len, causal, mask_mod, partial, mod_kept) -> "BlockMask":
+        """A mask from parts already derived (a device move, a batch view): no mask_mod evaluation."""
+        mask = cls.__new__(cls)
+        mask.block_size, mask.q_len, mask.kv_len, mask.causal, mask.mask_mod = block_size, q_len, kv_len, causal, mask_mod
+        mask.layout, mask._partial_tiles, mask._mod_kept = layout.contiguous(), partial, mod_kept
+        mask._tables, mask.derived = {}, {}
+        return mask
 
     # ------------------------------------------------------------------ geometry
     @property
     def num_heads(self) -> int:
         """Heads of the layout: 1 when every head shares it."""
-        return self.layout.shape[0]
+        return self.layout.shape[-3]
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """``(H_or_1, n_q_blocks, n_kv_blocks)``."""
+    def num_batches(self) -> int:
+        """Batch elements of the layout: 1 when every element shares it (no batch dimension)."""
+        return self.layout.shape[0] if self.layout.dim() == 4 else 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The layout's shape: ``(H_or_1, n_q_blocks, n_kv_blocks)``, with ``B`` in front for a
+        batch-dependent mask."""
         return tuple(self.layout.shape)
 
     @property
@@ -178,12 +219,38 @@ class BlockMask:
         crosses_diagonal = kv_last[None, :] > q_first[:, None]
         return visible, crosses_diagonal | ragged
 
+    # ------------------------------------------------------------------ the element predicate
+    @property
+    def mask_graph(self) -> Graph | None:
+        """The mask_mod's traced graph (``sparseflash.masks.functions``), None without a mask_mod."""
+        if not hasattr(self, "_mask_graph"):
+            self._mask_graph = trace(self.mask_mod, "mask_mod") if self.mask_mod is not None else None
+        return self._mask_graph
+
+    def mask_mod_at(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        """The element predicate (causal and mask_mod) at broadcastable ``q_idx``, ``kv_idx`` (absolute
+        positions), as bool ``[B_or_1, H_or_1, ...]``."""
+        return _predicate(self.mask_mod, self.causal, self.num_batches, self.num_heads, q_idx, kv_idx)
+
+    def batch_view(self, b: int) -> "BlockMask":
+        """The mask that batch element ``b`` sees, with no batch dimension (itself when it has none)."""
+        if self.layout.dim() == 3:
+            return self
+        mod = self.mask_mod
+        index = torch.tensor(b, device=self.device)
+        view_mod = lambda _b, h, q_idx, kv_idx: mod(index, h, q_idx, kv_idx)  # noqa: E731
+        return BlockMask._restore(self.layout[b], self.block_size, self.q_len, self.kv_len, self.causal, view_mod,
+                                  self._partial_tiles if self._partial_tiles.dim() < 4 else self._partial_tiles[b],
+                                  self._mod_kept[b])
+
     # ------------------------------------------------------------------ derived views
     @property
     def kind(self) -> MaskKind:
-        """DENSE (all tiles, no predicate), CAUSAL (all tiles the predicate allows) or SPARSE."""
+        """DENSE (all tiles, no predicate), CAUSAL (all tiles the causal predicate allows, no
+        mask_mod) or SPARSE."""
         if not hasattr(self, "_kind"):
-            all_on = bool((self.layout == self._visible_tiles).all())
+            visible, _ = self._tile_classes(self.device)
+            all_on = self.mask_mod is None and bool((self.layout == visible).all())
             self._kind = (MaskKind.CAUSAL if self.causal else MaskKind.DENSE) if all_on else MaskKind.SPARSE
         return self._kind
 
@@ -191,18 +258,28 @@ class BlockMask:
     def mean_row_blocks(self) -> float:
         """Mean computed tiles per query-block row (cached: reading it costs no device sync)."""
         if not hasattr(self, "_mean_row_blocks"):
-            self._mean_row_blocks = self.layout.sum().item() / (self.num_heads * self.layout.shape[1])
+            rows = self.layout[..., 0].numel()
+            self._mean_row_blocks = self.layout.sum().item() / rows
         return self._mean_row_blocks
 
     @property
     def full_layout(self) -> torch.Tensor:
-        """``[H_or_1, n_q, n_kv]``: computed tiles that need no element mask."""
+        """The layout's shape: computed tiles that need no element mask."""
         return self.layout & ~self._partial_tiles
 
     @property
     def partial_layout(self) -> torch.Tensor:
-        """``[H_or_1, n_q, n_kv]``: computed tiles where the element mask drops some scores."""
+        """The layout's shape: computed tiles where an element predicate or a bound drops some scores."""
         return self.layout & self._partial_tiles
+
+    @property
+    def needs_mask_mod(self) -> bool:
+        """Whether a kernel must evaluate the mask_mod: some computed tile keeps only part of its scores
+        (False when every tile the mask_mod touches is full or off)."""
+        if not hasattr(self, "_needs_mask_mod"):
+            self._needs_mask_mod = self._mod_kept is not None and bool(
+                ((self._mod_kept > 0) & (self._mod_kept < self._kept_per_tile().to(self.device))).any())
+        return self._needs_mask_mod
 
     def tables(self, device: torch.device | str | None = None) -> BlockTables:
         """Full/partial row and column tables on ``device`` (default: the mask's), cached."""
@@ -213,35 +290,36 @@ class BlockMask:
             self._tables[key] = BlockTables(
                 *layout_to_tables(full),
                 *layout_to_tables(partial),
-                *layout_to_tables(full.transpose(1, 2)),
-                *layout_to_tables(partial.transpose(1, 2)),
+                *layout_to_tables(full.transpose(-2, -1)),
+                *layout_to_tables(partial.transpose(-2, -1)),
             )
         return self._tables[key]
 
     @property
     def kv_num_blocks(self) -> torch.Tensor:
-        """``[H_or_1, n_q]`` int32: computed tiles of each query-block row."""
+        """``[..., n_q]`` int32 (the layout's leading dims): computed tiles of each query-block row."""
         return layout_to_tables(self.layout)[0]
 
     @property
     def kv_indices(self) -> torch.Tensor:
-        """``[H_or_1, n_q, n_kv]`` int32: their key-block indices, ascending, then padding."""
+        """``[..., n_q, n_kv]`` int32: their key-block indices, ascending, then padding."""
         return layout_to_tables(self.layout)[1]
 
     @property
     def q_num_blocks(self) -> torch.Tensor:
-        """``[H_or_1, n_kv]`` int32: computed tiles of each key-block column."""
-        return layout_to_tables(self.layout.transpose(1, 2))[0]
+        """``[..., n_kv]`` int32: computed tiles of each key-block column."""
+        return layout_to_tables(self.layout.transpose(-2, -1))[0]
 
     @property
     def q_indices(self) -> torch.Tensor:
-        """``[H_or_1, n_kv, n_q]`` int32: their query-block indices, ascending, then padding."""
-        return layout_to_tables(self.layout.transpose(1, 2))[1]
+        """``[..., n_kv, n_q]`` int32: their query-block indices, ascending, then padding."""
+        return layout_to_tables(self.layout.transpose(-2, -1))[1]
 
     def _kept_per_tile(self) -> torch.Tensor:
-        """``[n_q, n_kv]`` int64: how many scores each tile keeps when it is computed."""
+        """``[n_q, n_kv]`` int64: how many scores each tile keeps when it is computed (causal and
+        bounds only)."""
         block_m, block_n = self.block_size
-        n_q, n_kv = self.layout.shape[1:]
+        n_q, n_kv = -(-self.q_len // block_m), -(-self.kv_len // block_n)
         a = torch.arange(n_q, dtype=torch.int64) * block_m
         b = torch.clamp(a + block_m, max=self.q_len) - 1
         c = torch.arange(n_kv, dtype=torch.int64) * block_n
@@ -258,26 +336,27 @@ class BlockMask:
 
     @property
     def density(self) -> float:
-        """Exact fraction of the ``q_len x kv_len`` scores computed (averaged over layout heads)."""
-        kept = (self.layout.cpu().to(torch.int64) * self._kept_per_tile()).sum().item()
-        return kept / (self.num_heads * self.q_len * self.kv_len)
+        """Exact fraction of the ``q_len x kv_len`` scores computed (averaged over layout heads and batch)."""
+        if self._mod_kept is not None:
+            kept = self._mod_kept.sum().item()
+        else:
+            kept = (self.layout.cpu().to(torch.int64) * self._kept_per_tile()).sum().item()
+        return kept / (self.layout[..., 0, 0].numel() * self.q_len * self.kv_len)
 
     def to_dense(self) -> torch.Tensor:
-        """Element-level bool mask ``[H_or_1, q_len, kv_len]`` (True = score kept)."""
+        """Element-level bool mask ``[H_or_1, q_len, kv_len]`` (``[B, H_or_1, ...]`` with a batch
+        dimension), True where a score is kept."""
         block_m, block_n = self.block_size
-        dense = self.layout.repeat_interleave(block_m, 1).repeat_interleave(block_n, 2)
-        dense = dense[:, : self.q_len, : self.kv_len]
-        if self.causal:
+        dense = self.layout.repeat_interleave(block_m, -2).repeat_interleave(block_n, -1)
+        dense = dense[..., : self.q_len, : self.kv_len]
+        if self.causal or self.mask_mod is not None:
             q_idx = torch.arange(self.q_len, device=self.device)[:, None]
             kv_idx = torch.arange(self.kv_len, device=self.device)[None, :]
-            dense = dense & (q_idx >= kv_idx)
+            keep = self.mask_mod_at(q_idx, kv_idx)
+            dense = dense & (keep if self.layout.dim() == 4 else keep[0])
         return dense
 
     # ------------------------------------------------------------------ algebra
-    def _replace(self, layout: torch.Tensor, causal: bool | None = None) -> "BlockMask":
-        return BlockMask(layout, self.block_size, self.q_len, self.kv_len,
-                         self.causal if causal is None else causal)
-
     def _check_compatible(self, other: "BlockMask", op: str) -> None:
         if not isinstance(other, BlockMask):
             raise TypeError(f"{op} needs two BlockMasks; got {type(other).__name__}")
@@ -287,29 +366,39 @@ class BlockMask:
             raise ValueError(
                 f"{op} needs masks of the same (block_size, q_len, kv_len); got {mine} and {theirs}"
             )
-        if 1 not in (self.num_heads, other.num_heads) and self.num_heads != other.num_heads:
-            raise ValueError(f"{op}: layouts of {self.num_heads} and {other.num_heads} heads do not broadcast")
+        for what, a, b in (("heads", self.num_heads, other.num_heads), ("batch elements", self.num_batches,
+                                                                       other.num_batches)):
+            if 1 not in (a, b) and a != b:
+                raise ValueError(f"{op}: layouts of {a} and {b} {what} do not broadcast")
+
+    def _combined_layout(self, other: "BlockMask", op) -> torch.Tensor:
+        a, b = self.layout, other.layout.to(self.device)
+        if a.dim() != b.dim():  # one has a batch dimension: give the other one too
+            a, b = (x if x.dim() == 4 else x[None] for x in (a, b))
+        return op(a, b)
 
     def __and__(self, other: "BlockMask") -> "BlockMask":
-        """Scores kept by both masks."""
+        """Scores kept by both masks (their layouts and their element predicates)."""
         self._check_compatible(other, "&")
-        return self._replace(self.layout & other.layout.to(self.device), self.causal or other.causal)
+        mods = [m for m in (self.mask_mod, other.mask_mod) if m is not None]
+        mask_mod = mods[0] if len(mods) == 1 else (_both(*mods) if mods else None)
+        return BlockMask(self._combined_layout(other, torch.logical_and), self.block_size, self.q_len, self.kv_len,
+                         self.causal or other.causal, mask_mod)
 
     def __or__(self, other: "BlockMask") -> "BlockMask":
-        """Scores kept by either mask (both causal or both not: a mixed union has no block form)."""
+        """Scores kept by either mask. Without mask_mods and with the same causal flag this is a union
+        of layouts; otherwise the result's mask_mod asks each mask's layout and predicates in turn."""
         self._check_compatible(other, "|")
-        if self.causal != other.causal:
-            raise ValueError(
-                "| of a causal and a non-causal mask cannot be stored as one BlockMask; "
-                "make both causal or neither"
-            )
-        return self._replace(self.layout | other.layout.to(self.device))
+        layout = self._combined_layout(other, torch.logical_or)
+        if self.mask_mod is None and other.mask_mod is None and self.causal == other.causal:
+            return BlockMask(layout, self.block_size, self.q_len, self.kv_len, self.causal)
+        return BlockMask(layout, self.block_size, self.q_len, self.kv_len, False, _either(self, other))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, BlockMask):
             return NotImplemented
-        if (self.block_size, self.q_len, self.kv_len, self.causal) != (
-            other.block_size, other.q_len, other.kv_len, other.causal
+        if (self.block_size, self.q_len, self.kv_len, self.causal, self.mask_mod) != (
+            other.block_size, other.q_len, other.kv_len, other.causal, other.mask_mod
         ):
             return False
         try:
@@ -321,16 +410,21 @@ class BlockMask:
     __hash__ = None  # holds a tensor: equality is by value, so it is not hashable
 
     def to(self, device: torch.device | str) -> "BlockMask":
-        """The same mask with its layout on ``device``."""
+        """The same mask with its layout on ``device``. A mask_mod's captured tensors stay where they
+        are: keep them on the device where the attention runs."""
         if torch.device(device) == self.device:
             return self
-        return self._replace(self.layout.to(device))
+        return BlockMask._restore(self.layout.to(device), self.block_size, self.q_len, self.kv_len, self.causal,
+                                  self.mask_mod, self._partial_tiles.to(device),
+                                  None if self._mod_kept is None else self._mod_kept.to(device))
 
     # ------------------------------------------------------------------ pictures
     def __repr__(self) -> str:
+        batch = f"batch={self.num_batches}, " if self.layout.dim() == 4 else ""
+        mod = f", mask_mod={getattr(self.mask_mod, '__name__', type(self.mask_mod).__name__)}" if self.mask_mod else ""
         return (
-            f"BlockMask(kind={self.kind.name}, heads={self.num_heads}, q_len={self.q_len}, "
-            f"kv_len={self.kv_len}, block_size={self.block_size}, causal={self.causal}, "
+            f"BlockMask(kind={self.kind.name}, {batch}heads={self.num_heads}, q_len={self.q_len}, "
+            f"kv_len={self.kv_len}, block_size={self.block_size}, causal={self.causal}{mod}, "
             f"density={self.density:.4f})"
         )
 
@@ -340,7 +434,78 @@ class BlockMask:
         return repr(self) + "\n" + ascii_picture(self)
 
     def plot(self, path: str, max_heads: int = 4) -> None:
-        """Write a PNG picture of the layout (needs matplotlib)."""
+        """Write a PNG picture of the mask (needs matplotlib): its tiles and, where it has an element
+        predicate and is small enough, its scores."""
         from sparseflash.masks.viz import plot_png
 
         plot_png(self, path, max_heads=max_heads)
+
+
+def _predicate(mask_mod, causal: bool, batches: int, heads: int, q_idx: torch.Tensor,
+               kv_idx: torch.Tensor) -> torch.Tensor:
+    """causal and ``mask_mod`` at broadcastable positions, bool ``[batches|1, heads|1, ...]``."""
+    keep = (q_idx >= kv_idx) if causal else torch.ones((), dtype=torch.bool, device=q_idx.device)
+    keep = keep.expand(torch.broadcast_shapes(q_idx.shape, kv_idx.shape))[None, None]
+    if mask_mod is None:
+        return keep
+    b = torch.arange(batches, device=q_idx.device)[:, None, None, None]
+    h = torch.arange(heads, device=q_idx.device)[None, :, None, None]
+    out = torch.as_tensor(mask_mod(b, h, q_idx[None, None], kv_idx[None, None]), device=q_idx.device)
+    if out.dtype != torch.bool:
+        raise ValueError(f"mask_mod must return a bool tensor; it returned {out.dtype}")
+    return keep & out
+
+
+def _count_kept(mask_mod, causal: bool, layout: torch.Tensor, block_size: tuple[int, int], q_len: int,
+                kv_len: int) -> torch.Tensor:
+    """The layout's shape, int64: how many scores each computed tile keeps under causal, the bounds and
+    ``mask_mod`` (0 where the tile is off). The predicate is evaluated on at most EVAL_ELEMENTS
+    scores at a time, and not at all on chunks of tiles that are all off."""
+    block_m, block_n = block_size
+    layout4 = layout if layout.dim() == 4 else layout[None]
+    batches, heads, n_q, n_kv = layout4.shape
+    kept = torch.zeros(layout4.shape, dtype=torch.int64, device=layout.device)
+    tiles = max(1, EVAL_ELEMENTS // (batches * heads * block_m * block_n))
+    cols = min(n_kv, tiles)
+    rows = max(1, tiles // cols)
+    for r in range(0, n_q, rows):
+        for c in range(0, n_kv, cols):
+            if not layout4[..., r:r + rows, c:c + cols].any():
+                continue
+            q_idx = torch.arange(r * block_m, min(q_len, (r + rows) * block_m), device=layout.device)
+            kv_idx = torch.arange(c * block_n, min(kv_len, (c + cols) * block_n), device=layout.device)
+            keep = _predicate(mask_mod, causal, batches, heads, q_idx[:, None], kv_idx[None, :])
+            keep = keep.expand(batches, heads, len(q_idx), len(kv_idx)).to(torch.int32)
+            keep = torch.nn.functional.pad(keep, (0, (-len(kv_idx)) % block_n, 0, (-len(q_idx)) % block_m))
+            count = keep.unflatten(-1, (-1, block_n)).unflatten(-3, (-1, block_m)).sum((-3, -1))
+            kept[..., r:r + count.shape[-2], c:c + count.shape[-1]] = count
+    kept = kept * layout4
+    return kept if layout.dim() == 4 else kept[0]
+
+
+def _both(first: MaskMod, second: MaskMod) -> MaskMod:
+    def both(b, h, q_idx, kv_idx):
+        return first(b, h, q_idx, kv_idx) & second(b, h, q_idx, kv_idx)
+    return both
+
+
+def _either(first: BlockMask, second: BlockMask) -> MaskMod:
+    """The predicate of a union: each mask's layout (looked up per element) and its predicates."""
+    masks = []
+    for mask in (first, second):
+        layout = mask.layout if mask.layout.dim() == 4 else mask.layout[None]
+        masks.append((layout.to(first.device), mask.causal, mask.mask_mod))
+    block_m, block_n = first.block_size
+    shared = [(layout.shape[0] == 1, layout.shape[1] == 1) for layout, _, _ in masks]
+
+    def either(b, h, q_idx, kv_idx):
+        out = None
+        for (layout, causal, mod), (one_batch, one_head) in zip(masks, shared):
+            keep = layout[b * 0 if one_batch else b, h * 0 if one_head else h, q_idx // block_m, kv_idx // block_n]
+            if causal:
+                keep = keep & (q_idx >= kv_idx)
+            if mod is not None:
+                keep = keep & mod(b, h, q_idx, kv_idx)
+            out = keep if out is None else out | keep
+        return out
+    return either

@@ -1,10 +1,17 @@
-"""Block-sparsity patterns and their registry.
+"""Block-sparsity patterns, element-level mask patterns, and their one registry.
 
-A pattern is a function ``fn(n_q, n_kv, **params) -> bool [n_q, n_kv]`` from block counts to a
+A block pattern is a function ``fn(n_q, n_kv, **params) -> bool [n_q, n_kv]`` from block counts to a
 layout (True = the tile is computed). A pattern that takes a ``head`` keyword is called once per
 head, so it can differ between heads (e.g. a random seed per head). Register one with
-``@register("name")`` and build masks with ``make("name", q_len, block=..., **params)``; that is
-also what the Hydra configs call, so a registered pattern is at once usable from the command line.
+``@register("name")``.
+
+An element pattern is a factory ``fn(q_len, kv_len, **params) -> mask_mod``, registered with
+``@register_mask_mod("name")``: the ``mask_mod(b, h, q_idx, kv_idx) -> bool`` it returns becomes a
+mask through ``from_mask_mod`` (a factory that takes ``device`` gets the device the mask is built
+on, for the tensors it captures; one that takes ``heads`` gets the heads and may depend on ``h``).
+
+Either kind builds with ``make("name", q_len, block=..., **params)``; that is also what the Hydra
+configs call, so a registered pattern is at once usable from the command line.
 """
 
 from __future__ import annotations
@@ -22,8 +29,12 @@ from typing import Callable, Iterable
 import torch
 
 from sparseflash.masks.block_mask import DEFAULT_BLOCK, BlockMask, normalize_block_size
+from sparseflash.masks.functions import trace
 
 PatternFn = Callable[..., torch.Tensor]
+
+
+SUPPLIED = ("n_q", "n_kv", "head", "q_len", "kv_len", "heads", "device")  # arguments make() passes itself
 
 
 @dataclass(frozen=True)
@@ -31,15 +42,20 @@ class Pattern:
     name: str
     fn: PatternFn
     causal: bool  # the pattern implies the element-level causal predicate
+    element: bool = False  # fn is a mask_mod factory (register_mask_mod), not a block pattern
+
+    def takes(self, argument: str) -> bool:
+        return argument in inspect.signature(self.fn).parameters
 
     @property
     def per_head(self) -> bool:
-        return "head" in inspect.signature(self.fn).parameters
+        return self.takes("heads" if self.element else "head")
 
     @property
     def params(self) -> list[str]:
-        """Keyword parameters a user may set (``head`` is supplied by ``make``)."""
-        return [p for p in inspect.signature(self.fn).parameters if p not in ("n_q", "n_kv", "head")]
+        """Keyword parameters a user may set (the lengths, ``head``/``heads`` and ``device`` are
+        supplied by ``make``)."""
+        return [p for p in inspect.signature(self.fn).parameters if p not in SUPPLIED]
 
 
 _REGISTRY: dict[str, Pattern] = {}
@@ -49,11 +65,20 @@ def register(name: str, *, causal: bool = False) -> Callable[[PatternFn], Patter
     """Decorator adding ``fn(n_q, n_kv, **params) -> bool [n_q, n_kv]`` to the registry.
 
     ``causal=True`` marks patterns that imply the causal predicate (``make`` then sets it)."""
+    return _registrar(name, causal, element=False)
 
+
+def register_mask_mod(name: str) -> Callable[[PatternFn], PatternFn]:
+    """Decorator adding an element pattern, ``fn(q_len, kv_len, **params) -> mask_mod``, to the
+    registry (see the module docstring)."""
+    return _registrar(name, False, element=True)
+
+
+def _registrar(name: str, causal: bool, element: bool) -> Callable[[PatternFn], PatternFn]:
     def decorate(fn: PatternFn) -> PatternFn:
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
             raise ValueError(f"pattern {name!r} is already registered (by {_REGISTRY[name].fn.__module__})")
-        _REGISTRY[name] = Pattern(name, fn, causal)
+        _REGISTRY[name] = Pattern(name, fn, causal, element)
         return fn
 
     return decorate
@@ -99,14 +124,18 @@ def get(name: str) -> Pattern:
     return _REGISTRY[name]
 
 
-def _call_pattern(pattern: Pattern, n_q: int, n_kv: int, params: dict, head: int | None) -> torch.Tensor:
-    kwargs = dict(params, head=head) if head is not None else dict(params)
+def _bind(pattern: Pattern, args: tuple, kwargs: dict, params: dict) -> None:
     try:
-        inspect.signature(pattern.fn).bind(n_q, n_kv, **kwargs)
+        inspect.signature(pattern.fn).bind(*args, **kwargs)
     except TypeError as err:
         raise ValueError(
             f"pattern {pattern.name!r} takes parameters {pattern.params}; got {sorted(params)} ({err})"
         ) from None
+
+
+def _call_pattern(pattern: Pattern, n_q: int, n_kv: int, params: dict, head: int | None) -> torch.Tensor:
+    kwargs = dict(params, head=head) if head is not None else dict(params)
+    _bind(pattern, (n_q, n_kv), kwargs, params)
     layout = torch.as_tensor(pattern.fn(n_q, n_kv, **kwargs))
     if layout.shape != (n_q, n_kv) or layout.dtype != torch.bool:
         raise ValueError(
@@ -123,6 +152,7 @@ def make(
     block: int | tuple[int, int] = DEFAULT_BLOCK,
     heads: int | None = None,
     causal: bool = False,
+    device: torch.device | str | None = None,
     **params,
 ) -> BlockMask:
     """Build the registered pattern ``name`` as a ``BlockMask``.
@@ -131,9 +161,11 @@ def make(
         q_len, kv_len: sequence lengths (``kv_len`` defaults to ``q_len``); need not be multiples
             of the block.
         block: ``SPARSE_BLOCK_M`` and ``SPARSE_BLOCK_N`` (an int sets both).
-        heads: for a per-head pattern (one taking ``head``), build ``[heads, n_q, n_kv]``; other
-            patterns are shared by every head (layout ``[1, n_q, n_kv]``).
+        heads: for a per-head pattern (one taking ``head``, or an element pattern taking ``heads``),
+            build ``[heads, n_q, n_kv]``; other patterns are shared by every head (``[1, n_q, n_kv]``).
         causal: apply ``q_idx >= kv_idx`` inside tiles (always on for causal patterns).
+        device: where the mask is built and kept (default: the CPU); an element pattern's mask_mod
+            is evaluated there, and the tensors it captures live there.
         **params: the pattern's own parameters.
     """
     pattern = get(name)
@@ -141,12 +173,27 @@ def make(
         raise ValueError(f"heads must be None or >= 1; got {heads}")
     kv_len = q_len if kv_len is None else kv_len
     block_m, block_n = normalize_block_size(block)
+    if pattern.element:
+        return _element_mask(pattern, q_len, kv_len, (block_m, block_n), heads, causal, device, params)
     n_q, n_kv = -(-q_len // block_m), -(-kv_len // block_n)
     if heads is not None and pattern.per_head:
         layout = torch.stack([_call_pattern(pattern, n_q, n_kv, params, h) for h in range(heads)])
     else:
         layout = _call_pattern(pattern, n_q, n_kv, params, 0 if pattern.per_head else None)[None]
-    return BlockMask(layout, (block_m, block_n), q_len, kv_len, causal=causal or pattern.causal)
+    mask = BlockMask(layout, (block_m, block_n), q_len, kv_len, causal=causal or pattern.causal)
+    return mask if device is None else mask.to(device)
+
+
+def _element_mask(pattern: Pattern, q_len: int, kv_len: int, block: tuple[int, int], heads: int | None,
+                  causal: bool, device, params: dict) -> BlockMask:
+    """An element pattern's mask: its factory's mask_mod, classified per tile on ``device``."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    supplied = {"device": device, "heads": heads or 1}
+    kwargs = dict(params, **{k: v for k, v in supplied.items() if pattern.takes(k)})
+    _bind(pattern, (q_len, kv_len), kwargs, params)
+    mask_mod = pattern.fn(q_len, kv_len, **kwargs)
+    return _mask_from_mod(mask_mod, q_len, kv_len, block, None, heads if pattern.per_head else None, device,
+                          causal)
 
 
 def from_layout(
@@ -158,6 +205,43 @@ def from_layout(
 ) -> BlockMask:
     """A ``BlockMask`` from an explicit bool layout ``[n_q, n_kv]`` or ``[H, n_q, n_kv]``."""
     return BlockMask(layout, block, q_len, kv_len, causal)
+
+
+def from_mask_mod(
+    mask_mod: Callable[..., torch.Tensor],
+    q_len: int,
+    kv_len: int | None = None,
+    *,
+    block: int | tuple[int, int] = DEFAULT_BLOCK,
+    batch: int | None = None,
+    heads: int | None = None,
+    device: torch.device | str | None = None,
+) -> BlockMask:
+    """A ``BlockMask`` from an element predicate ``mask_mod(b, h, q_idx, kv_idx) -> bool``
+    (FlexAttention's signature; ``sparseflash.masks.functions`` lists what it may use).
+
+    Every tile is classified by evaluating the predicate on its scores, a few tiles at a time on
+    ``device`` (default: where the function's captured tensors are, else the CPU), never on all
+    ``q_len x kv_len`` scores at once: tiles where it keeps nothing are never computed, tiles where it
+    keeps everything are computed without evaluating it, the others evaluate it per score.
+    ``batch``/``heads``: the function depends on ``b``/``h`` (None: it does not, and is evaluated
+    with 0), giving a layout with a batch dimension of ``batch`` / ``heads`` heads.
+    """
+    for name, value in (("batch", batch), ("heads", heads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be None or >= 1; got {value}")
+    kv_len = q_len if kv_len is None else kv_len
+    if device is None:
+        captured = trace(mask_mod, "mask_mod").captures
+        device = next((t.device for t in captured if t.device.type != "cpu"), torch.device("cpu"))
+    return _mask_from_mod(mask_mod, q_len, kv_len, normalize_block_size(block), batch, heads, device, False)
+
+
+def _mask_from_mod(mask_mod, q_len: int, kv_len: int, block: tuple[int, int], batch: int | None,
+                   heads: int | None, device, causal: bool) -> BlockMask:
+    shape = ((batch,) if batch else ()) + (heads or 1, -(-q_len // block[0]), -(-kv_len // block[1]))
+    layout = torch.ones(shape, dtype=torch.bool, device=device)
+    return BlockMask(layout, block, q_len, kv_len, causal=causal, mask_mod=mask_mod)
 
 
 def from_block_fn(

@@ -79,11 +79,11 @@ class MaskSpec:
         return cls(name, params, block if isinstance(block, int) else tuple(block), bool(cfg.get("causal", False)),
                    bool(cfg.get("per_head", False)))
 
-    def build(self, q_len: int, kv_len: int | None = None, heads: int | None = None) -> BlockMask:
-        """The mask for ``q_len`` queries and ``kv_len`` keys (default ``q_len``); ``heads`` is used by
-        per-head specs only."""
+    def build(self, q_len: int, kv_len: int | None = None, heads: int | None = None, device=None) -> BlockMask:
+        """The mask for ``q_len`` queries and ``kv_len`` keys (default ``q_len``) on ``device`` (default
+        the CPU); ``heads`` is used by per-head specs only."""
         return make(self.pattern, q_len, kv_len, block=self.block, heads=heads if self.per_head else None,
-                    causal=self.causal, **dict(self.params))
+                    causal=self.causal, device=device, **dict(self.params))
 
     @property
     def block_size(self) -> tuple[int, int]:

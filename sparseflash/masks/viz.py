@@ -30,6 +30,18 @@ def _downsample(layout: torch.Tensor, max_cells: int) -> tuple[torch.Tensor, tor
     return cells(0.0).amax((-1, -2)) > 0, cells(1.0).amin((-1, -2)) > 0, group
 
 
+ELEMENT_PICTURE_MAX = 1 << 22  # a PNG draws single scores up to this many (q_len x kv_len)
+
+
+def _panels(mask: "BlockMask", max_heads: int) -> list[tuple[str, tuple[int, ...]]]:
+    """``(label, layout index)`` of the first ``max_heads`` layouts: heads, and batch elements of a
+    batch-dependent mask."""
+    if mask.layout.dim() == 4:
+        pairs = [(b, h) for b in range(mask.num_batches) for h in range(mask.num_heads)][:max_heads]
+        return [(f"batch {b} head {h}", (b, h)) for b, h in pairs]
+    return [(f"head {h}", (h,)) for h in range(min(mask.num_heads, max_heads))]
+
+
 def ascii_picture(mask: "BlockMask", max_cells: int = 64, max_heads: int = 4) -> str:
     """One text grid per layout head: ``#`` full tile, ``+`` partial tile, ``.`` skipped.
 
@@ -37,34 +49,49 @@ def ascii_picture(mask: "BlockMask", max_cells: int = 64, max_heads: int = 4) ->
     (``#`` all full, ``.`` all skipped, ``+`` mixed)."""
     lines = []
     full, partial = mask.full_layout.cpu(), mask.partial_layout.cpu()
-    for h in range(min(mask.num_heads, max_heads)):
-        on = full[h] | partial[h]
+    panels = _panels(mask, max_heads)
+    for label, index in panels:
+        on = full[index] | partial[index]
         any_on, all_full, group = _downsample(on, max_cells)
-        _, all_full, _ = _downsample(full[h], max_cells)
-        if mask.num_heads > 1 or group > 1:
-            lines.append(f"head {h}" + (f" ({group}x{group} tiles per character)" if group > 1 else ""))
+        _, all_full, _ = _downsample(full[index], max_cells)
+        if mask.layout[..., 0, 0].numel() > 1 or group > 1:
+            lines.append(label + (f" ({group}x{group} tiles per character)" if group > 1 else ""))
         for row_any, row_full in zip(any_on.tolist(), all_full.tolist()):
             lines.append("".join(FULL if f else PARTIAL if a else EMPTY for a, f in zip(row_any, row_full)))
-    if mask.num_heads > max_heads:
-        lines.append(f"... {mask.num_heads - max_heads} more heads")
+    hidden = mask.layout[..., 0, 0].numel() - len(panels)
+    if hidden > 0:
+        lines.append(f"... {hidden} more heads")
     return "\n".join(lines)
 
 
 def plot_png(mask: "BlockMask", path: str, max_heads: int = 4) -> None:
-    """Save the layout of the first ``max_heads`` heads as a PNG (full dark, partial mid-grey)."""
+    """Save the first ``max_heads`` layouts as a PNG. Tiles: full dark, partial mid-grey. A mask with
+    an element predicate (causal or a mask_mod) of at most ``ELEMENT_PICTURE_MAX`` scores is drawn
+    score by score: kept black, computed but dropped inside a partial tile light grey (work the
+    kernels do and throw away), never computed white."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    heads = min(mask.num_heads, max_heads)
-    picture = (mask.full_layout.float() + 0.5 * mask.partial_layout.float()).cpu()
-    fig, axes = plt.subplots(1, heads, figsize=(4 * heads, 4), squeeze=False)
-    for h, ax in enumerate(axes[0]):
-        ax.imshow(picture[h].numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
-        ax.set_title(f"head {h}" if mask.num_heads > 1 else f"density {mask.density:.3f}")
-        ax.set_xlabel(f"key block ({mask.block_size[1]})")
-        ax.set_ylabel(f"query block ({mask.block_size[0]})")
+    panels = _panels(mask, max_heads)
+    elements = (mask.causal or mask.mask_mod is not None) and mask.q_len * mask.kv_len <= ELEMENT_PICTURE_MAX
+    if elements:
+        block_m, block_n = mask.block_size
+        computed = mask.layout.repeat_interleave(block_m, -2).repeat_interleave(block_n, -1)
+        computed = computed[..., : mask.q_len, : mask.kv_len].float()
+        dense = mask.to_dense().float()
+        picture = (0.25 * computed + 0.75 * dense.expand_as(computed)).cpu()
+        unit = "token"
+    else:
+        picture = (mask.full_layout.float() + 0.5 * mask.partial_layout.float()).cpu()
+        unit = "block"
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4), squeeze=False)
+    for (label, index), ax in zip(panels, axes[0]):
+        ax.imshow(picture[index].numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_title(label if len(panels) > 1 else f"density {mask.density:.3f}")
+        ax.set_xlabel(f"key {unit}" + (f" ({mask.block_size[1]})" if unit == "block" else ""))
+        ax.set_ylabel(f"query {unit}" + (f" ({mask.block_size[0]})" if unit == "block" else ""))
     fig.suptitle(f"{mask.kind.name} q_len={mask.q_len} kv_len={mask.kv_len}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -33,10 +33,10 @@ def sinusoidal_positions(length: int, dim: int) -> torch.Tensor:
 class Block(nn.Module):
     """Pre-LN Transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
-    def __init__(self, dim: int, heads: int, mlp_dim: int, dropout: float, mask, backend: str):
+    def __init__(self, dim: int, heads: int, mlp_dim: int, dropout: float, mask, backend: str, score_mod=None):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = SparseAttention(dim, heads, mask=mask, backend=backend, dropout=dropout)
+        self.attn = SparseAttention(dim, heads, mask=mask, backend=backend, dropout=dropout, score_mod=score_mod)
         self.mlp = nn.Sequential(nn.Linear(dim, mlp_dim), nn.GELU(), nn.Dropout(dropout),
                                  nn.Linear(mlp_dim, dim), nn.Dropout(dropout))
 
@@ -54,13 +54,14 @@ class Encoder(nn.Module):
             ``(id - 1) / 255``; for image tasks whose ids are ``pixel + 1``).
         positions: ``learned`` or ``sinusoidal``; max_len: the longest input (without CLS).
         pool: ``cls`` or ``mean`` (over valid tokens).
-        mask: the attention mask of ``SparseAttention`` (a ``MaskSpec`` or its fields); backend: its backend.
+        mask: the attention mask of ``SparseAttention`` (a ``MaskSpec`` or its fields); backend: its backend;
+            score_mod: its score function (a registered name or ``{"name", "params"}``; one per block).
     """
 
     def __init__(self, vocab_size: int, max_len: int, dim: int = 64, depth: int = 2, heads: int = 4,
                  mlp_dim: int = 128, dropout: float = 0.1, embedding: str = "token",
                  positions: str = "learned", pool: str = "cls", mask: Any = None,
-                 backend: str = "auto", pad_multiple: int = 1):
+                 backend: str = "auto", pad_multiple: int = 1, score_mod: Any = None):
         super().__init__()
         if embedding not in ("token", "pixel"):
             raise ValueError(f"model.embedding must be 'token' or 'pixel'; got {embedding!r}")
@@ -77,7 +78,8 @@ class Encoder(nn.Module):
             self.register_buffer("pos", sinusoidal_positions(self.max_len, dim), persistent=False)
         self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02) if pool == "cls" else None
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(dim, heads, mlp_dim, dropout, mask, backend) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(dim, heads, mlp_dim, dropout, mask, backend, score_mod)
+                                    for _ in range(depth))
         self.ln = nn.LayerNorm(dim)
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,18 +139,30 @@ class DualEncoderClassifier(nn.Module):
         return self.head(torch.cat([u, v, u * v, u - v], dim=-1))
 
 
+# What an ``attention`` config holds beside its mask spec.
+ATTENTION_KEYS = ("backend", "score_mod")
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain Python (an OmegaConf mapping as a dict)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 def build_model(model_cfg: Mapping[str, Any], attention_cfg: Mapping[str, Any], *, vocab_size: int,
                 max_len: int, num_classes: int, pair: bool = False) -> nn.Module:
     """The classifier (or dual encoder when ``pair``) described by the ``model`` and
     ``attention`` configs for a task with the given vocabulary, length and classes."""
     dim, mlp_dim = int(model_cfg["dim"]), int(model_cfg["mlp_dim"])
-    spec = MaskSpec.from_config(attention_cfg, other_keys=("backend",))
+    spec = MaskSpec.from_config(attention_cfg, other_keys=ATTENTION_KEYS)
     pad_multiple = model_cfg.get("pad_multiple") or max(spec.block_size)
     encoder = Encoder(vocab_size, max_len, dim=dim, depth=int(model_cfg["depth"]), heads=int(model_cfg["heads"]),
                       mlp_dim=mlp_dim, dropout=float(model_cfg.get("dropout", 0.0)),
                       embedding=str(model_cfg.get("embedding", "token")),
                       positions=str(model_cfg.get("positions", "learned")), pool=str(model_cfg.get("pool", "cls")),
-                      mask=spec, backend=str(attention_cfg.get("backend", "auto")), pad_multiple=int(pad_multiple))
+                      mask=spec, backend=str(attention_cfg.get("backend", "auto")), pad_multiple=int(pad_multiple),
+                      score_mod=_plain(attention_cfg.get("score_mod")))
     head_dim = int(model_cfg.get("head_mlp_dim") or mlp_dim)
     cls = DualEncoderClassifier if pair else Classifier
     return cls(encoder, dim, head_dim, num_classes)

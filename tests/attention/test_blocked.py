@@ -286,13 +286,13 @@ def test_visits_only_computed_tiles(monkeypatch):
     """A tile the mask zeroes is never gathered, and each computed tile once per pass."""
     mask = make("random", 150, 130, block=16, heads=2, density=0.3)
     seen = []
-    original = blocked._tile_scores
+    original = blocked._raw_scores
 
-    def spy(q_blk, k_blk, tiles, part, keep, scale):
+    def spy(q_blk, k_blk, tiles, part, scale):
         seen.extend(zip(tiles.head[part].tolist(), tiles.q_block[part].tolist(), tiles.kv_block[part].tolist()))
-        return original(q_blk, k_blk, tiles, part, keep, scale)
+        return original(q_blk, k_blk, tiles, part, scale)
 
-    monkeypatch.setattr(blocked, "_tile_scores", spy)
+    monkeypatch.setattr(blocked, "_raw_scores", spy)
     q, k, v, do = _inputs(1, 2, 2, 150, 130, 8, torch.float32)
     attention_with_grads("blocked", q, k, v, mask, do)
     expected = sorted(map(tuple, mask.layout.nonzero().tolist()))

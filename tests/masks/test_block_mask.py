@@ -287,9 +287,14 @@ def test_and_of_causal_and_non_causal():
     assert torch.equal(both.to_dense(), local.to_dense() & make("causal", 100, block=16).to_dense())
 
 
-def test_or_of_causal_and_non_causal_raises():
-    with pytest.raises(ValueError, match=r"\| of a causal and a non-causal mask .*make both causal or neither"):
-        make("local", 100, block=16, window=1, causal=True) | make("butterfly", 100, block=16)
+def test_or_of_causal_and_non_causal_is_the_union_of_scores():
+    """A causal window | a non-causal butterfly keeps exactly the scores either keeps (through a
+    mask_mod that asks each layout and predicate)."""
+    a, b = make("local", 100, block=16, window=1, causal=True), make("butterfly", 100, block=16)
+    union = a | b
+    assert union.mask_mod is not None and not union.causal
+    assert torch.equal(union.to_dense(), a.to_dense() | b.to_dense())
+    assert union.density == pytest.approx(union.to_dense().float().mean().item())
 
 
 def test_to_device():

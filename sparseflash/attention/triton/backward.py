@@ -7,6 +7,10 @@ SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS), an
             both sides of the mask blocks);
   HAS_DLSE  the loss also depends on lse: d lse / d s = p, so delta becomes rowsum(o * do) - dlse.
   PROGRAMS  0: both kinds of program in one launch; 1: only dK/dV; 2: only dQ.
+  MASK_MOD, SCORE_MOD  as in forward.py; the backward scales dS by SCORE_MOD's derivative.
+  SCORE_MOD_GRADS  a generated function (codegen.py) that adds the gradients of the score function's
+            captured tensors (atomics, in the dK/dV programs, which see every computed score once),
+            or None.
 
 The scores are recomputed from q, k and lse (p = exp2(s * scale * log2 e - lse * log2 e)), never
 stored.
@@ -31,7 +35,8 @@ import triton.language as tl
 
 from sparseflash.attention.triton.launch import Launcher
 from sparseflash.attention.triton.plan import LaunchPlan
-from sparseflash.attention.triton.tiles import key_tile_scores, listed_block, mma, row_tile_ranges, tile_start
+from sparseflash.attention.triton.tiles import (key_tile_scores, listed_block, mma, mod_positions, modded_scores,
+                                               row_tile_ranges, tile_start)
 from sparseflash.attention.triton.tuning import KernelConfig, run_tuned
 
 
@@ -71,8 +76,8 @@ def _load_row_stats(LSE2, DELTA, row_off, offs_m, q_len, APPLY_ROW_BOUND: tl.con
 
 
 @triton.jit
-def _col_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, start_n, n_q_tiles,
-                     stride_num_h, stride_num_n, stride_idx_h, stride_idx_n,
+def _col_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, start_n, n_q_tiles,
+                     stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
                      MASK_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
     """Query tiles that see the key tile at start_n, as an unmasked and a masked run.
@@ -83,8 +88,8 @@ def _col_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, start_n, n_q_til
     if MASK_KIND == 2:
         tiles_per_block: tl.constexpr = SPARSE_BLOCK_M // BLOCK_M
         mask_col = start_n // SPARSE_BLOCK_N
-        num_off = h * stride_num_h + mask_col * stride_num_n
-        idx_off = h * stride_idx_h + mask_col * stride_idx_n
+        num_off = b * stride_num_b + h * stride_num_h + mask_col * stride_num_n
+        idx_off = b * stride_idx_b + h * stride_idx_h + mask_col * stride_idx_n
         full_hi = tl.load(FULL_NUM + num_off) * tiles_per_block
         part_hi = tl.load(PART_NUM + num_off) * tiles_per_block
         return FULL_IDX + idx_off, 0, full_hi, PART_IDX + idx_off, 0, part_hi
@@ -98,12 +103,16 @@ def _col_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, start_n, n_q_til
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
                 stride_qm, stride_qd, stride_dom, stride_dod, t_lo, t_hi, idx_ptr,
-                offs_n, offs_d, q_len, head_dim, qk_scale,
+                offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
                 FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_ROW_BOUND: tl.constexpr,
+                APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+                SCORE_MOD_GRADS: tl.constexpr,
                 BLOCK_M: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, D_PADDED: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles t_lo..t_hi-1 (transposed scores).
-    APPLY_ROW_BOUND: the tiles may hold rows past q_len (loaded as zeros, lse +inf)."""
+    APPLY_ROW_BOUND: the tiles may hold rows past q_len (loaded as zeros, lse +inf). Keys past
+    kv_bound are not masked here (their gradients are zeroed at the store), except for the gradients
+    of the score function's captured tensors."""
     offs_m0 = tl.arange(0, BLOCK_M)
     block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M)
     for t in range(t_lo, t_hi):
@@ -118,13 +127,25 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
             q = tl.load(q_ptrs)
             do = tl.load(do_ptrs)
         lse, delta = _load_row_stats(LSE2, DELTA, row_off, offs_m, q_len, APPLY_ROW_BOUND)
-        s_t = mma(k, tl.trans(q), None, DOT_PRECISION, WIDEN_DOTS) * qk_scale  # (BN, BM)
-        if APPLY_CAUSAL:
-            s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, float("-inf"))
+        qk_t = mma(k, tl.trans(q), None, DOT_PRECISION, WIDEN_DOTS)  # (BN, BM)
+        q_idx, kv_idx = mod_positions(offs_m[None, :], offs_n[:, None], q_len, kv_len)
+        s_t, d_score = modded_scores(qk_t, b, h, q_idx, kv_idx, qk_scale, MODS, SCORE_MOD)
+        if APPLY_CAUSAL or APPLY_MASK_MOD:
+            if APPLY_CAUSAL:
+                keep = offs_m[None, :] >= offs_n[:, None]
+                if APPLY_MASK_MOD:
+                    keep = keep & MASK_MOD(b, h, q_idx, kv_idx, MODS)
+            else:
+                keep = MASK_MOD(b, h, q_idx, kv_idx, MODS)
+            s_t = tl.where(keep, s_t, float("-inf"))
         p_t = tl.math.exp2(s_t - lse[None, :])
         dv = mma(p_t.to(do.dtype), do, dv, DOT_PRECISION, WIDEN_DOTS)
         dp_t = mma(v, tl.trans(do), None, DOT_PRECISION, WIDEN_DOTS)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SCORE_MOD_GRADS is not None:  # keys past kv_bound must add nothing to the captured tensors
+            SCORE_MOD_GRADS(tl.where(offs_n[:, None] < kv_bound, ds_t, 0.0), qk_t * (qk_scale * 0.6931471805599453),
+                            b, h, q_idx, kv_idx, MODS)
+        ds_t = ds_t * d_score
         dk = mma(ds_t.to(q.dtype), q, dk, DOT_PRECISION, WIDEN_DOTS)
         block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M)
     return dk, dv
@@ -132,19 +153,19 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
 
 @triton.jit
 def _dkdv_program(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, KEY_LENGTHS, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, KEY_LENGTHS, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_num_h, stride_num_n, stride_idx_h, stride_idx_n,
+    stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
     key_tile, b, hk, heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    EVEN_LENGTHS: tl.constexpr,
+    EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr,
 ):
     """dK, dV of key tile ``key_tile`` (BLOCK_N keys) of key/value head hk, batch b."""
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
@@ -172,23 +193,24 @@ def _dkdv_program(
         do_base = DO + b * stride_dob + h * stride_doh
         row_off = (b * heads + h) * stats_stride
         full_idx, full_lo, full_hi, part_idx, part_lo, part_hi = _col_tile_ranges(
-            FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, start_n, n_q_tiles,
-            stride_num_h, stride_num_n, stride_idx_h, stride_idx_n,
+            FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, start_n, n_q_tiles,
+            stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
             MASK_KIND, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
         if HAS_KEY_LENGTHS:  # a key tile wholly past key_lengths[b] walks nothing
             full_hi = tl.where(start_n < kv_bound, full_hi, full_lo)
             part_hi = tl.where(start_n < kv_bound, part_hi, part_lo)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
                              stride_qm, stride_qd, stride_dom, stride_dod, full_lo, full_hi, full_idx,
-                             offs_n, offs_d, q_len, head_dim, qk_scale,
-                             WALK_TABLES, False, FULL_ROWS_BOUNDED, BLOCK_M, SPARSE_BLOCK_M, D_PADDED,
-                             DOT_PRECISION, WIDEN_DOTS)
+                             offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
+                             WALK_TABLES, False, FULL_ROWS_BOUNDED, False, MASK_MOD, SCORE_MOD, SCORE_MOD_GRADS,
+                             BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
         if part_hi > part_lo:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
                                  stride_qm, stride_qd, stride_dom, stride_dod, part_lo, part_hi, part_idx,
-                                 offs_n, offs_d, q_len, head_dim, qk_scale,
-                                 WALK_TABLES, IS_CAUSAL, not EVEN_LENGTHS, BLOCK_M, SPARSE_BLOCK_M, D_PADDED,
-                                 DOT_PRECISION, WIDEN_DOTS)
+                                 offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
+                                 WALK_TABLES, IS_CAUSAL, not EVEN_LENGTHS, MASK_MOD is not None, MASK_MOD,
+                                 SCORE_MOD, SCORE_MOD_GRADS, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION,
+                                 WIDEN_DOTS)
     visible = offs_n[:, None] < kv_bound  # masked keys get exactly zero gradient
     dk = tl.where(visible, dk * scale, 0.0)
     dv = tl.where(visible, dv, 0.0)
@@ -199,20 +221,22 @@ def _dkdv_program(
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-              t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
+              t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
               FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
+              APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
               BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Accumulate dQ of one query tile over key tiles t_lo..t_hi-1."""
     block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     for t in range(t_lo, t_hi):
         offs_kv = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
-        s, k_t, v_t = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m,
-                                      offs_kv, offs_d, kv_bound, head_dim, qk_scale, APPLY_CAUSAL, APPLY_KV_BOUND,
-                                      D_PADDED, True, DOT_PRECISION, WIDEN_DOTS)
+        s, k_t, v_t, d_score = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m,
+                                               offs_kv, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
+                                               MODS, APPLY_CAUSAL, APPLY_KV_BOUND, APPLY_MASK_MOD, MASK_MOD,
+                                               SCORE_MOD, D_PADDED, True, DOT_PRECISION, WIDEN_DOTS)
         p = tl.math.exp2(s - lse[:, None])
         dp = mma(do, v_t, None, DOT_PRECISION, WIDEN_DOTS)
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None]) * d_score
         dq = mma(ds.to(k_t.dtype), tl.trans(k_t), dq, DOT_PRECISION, WIDEN_DOTS)
         block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     return dq
@@ -220,19 +244,19 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
 
 @triton.jit
 def _dq_program(
-    Q, K, V, DO, LSE2, DELTA, DQ, KEY_LENGTHS, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+    Q, K, V, DO, LSE2, DELTA, DQ, KEY_LENGTHS, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+    stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
     query_tile, b, h, heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    EVEN_LENGTHS: tl.constexpr,
+    EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
 ):
     """dQ of query tile ``query_tile`` (BLOCK_M queries) of query head h, batch b."""
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
@@ -258,43 +282,45 @@ def _dq_program(
     FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
     PART_NEEDS_BOUND: tl.constexpr = HAS_KEY_LENGTHS or not EVEN_LENGTHS
     full_idx, full_hi, part_idx, part_lo, part_hi = row_tile_ranges(
-        FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound,
-        stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+        FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, q_start, kv_bound,
+        stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
         MASK_KIND, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
-                   WALK_TABLES, False, FULL_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
-                   WIDEN_DOTS)
+                   0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
+                   MODS, WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD, SCORE_MOD, BLOCK_N, SPARSE_BLOCK_N,
+                   D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     if part_hi > part_lo:
         dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
-                       WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
-                       WIDEN_DOTS)
+                       part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len,
+                       kv_len, MODS, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD,
+                       SCORE_MOD, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     out = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=rows_in)
 
 
-@triton.jit(do_not_specialize=["q_len", "kv_len", "stride_col_num_h", "stride_col_num_n", "stride_col_idx_h",
-                               "stride_col_idx_n", "stride_row_num_h", "stride_row_num_m", "stride_row_idx_h",
+@triton.jit(do_not_specialize=["q_len", "kv_len", "stride_col_num_b", "stride_col_num_h", "stride_col_num_n",
+                               "stride_col_idx_b", "stride_col_idx_h", "stride_col_idx_n", "stride_row_num_b",
+                               "stride_row_num_h", "stride_row_num_m", "stride_row_idx_b", "stride_row_idx_h",
                                "stride_row_idx_m"])
 def _attn_bwd(
     Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, KEY_LENGTHS,
     COL_FULL_NUM, COL_FULL_IDX, COL_PART_NUM, COL_PART_IDX,
-    ROW_FULL_NUM, ROW_FULL_IDX, ROW_PART_NUM, ROW_PART_IDX,
+    ROW_FULL_NUM, ROW_FULL_IDX, ROW_PART_NUM, ROW_PART_IDX, MODS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_col_num_h, stride_col_num_n, stride_col_idx_h, stride_col_idx_n,
-    stride_row_num_h, stride_row_num_m, stride_row_idx_h, stride_row_idx_m,
+    stride_col_num_b, stride_col_num_h, stride_col_num_n, stride_col_idx_b, stride_col_idx_h, stride_col_idx_n,
+    stride_row_num_b, stride_row_num_h, stride_row_num_m, stride_row_idx_b, stride_row_idx_h, stride_row_idx_m,
     heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, PROGRAMS: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    SCORE_MOD_GRADS: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
     """Grid (key tiles + groups x query tiles, batch x kv_heads): the first programs of a row are
     dK/dV programs (BLOCK_M keys held, BLOCK_N queries streamed), the rest dQ programs of the
@@ -310,13 +336,13 @@ def _attn_bwd(
     if PROGRAMS == 1 or (PROGRAMS == 0 and tile < n_key_tiles):
         _dkdv_program(
             Q, K, V, DO, LSE2, DELTA, DK, DV, KEY_LENGTHS, COL_FULL_NUM, COL_FULL_IDX, COL_PART_NUM, COL_PART_IDX,
-            stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            MODS, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
             stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-            stride_col_num_h, stride_col_num_n, stride_col_idx_h, stride_col_idx_n,
+            stride_col_num_b, stride_col_num_h, stride_col_num_n, stride_col_idx_b, stride_col_idx_h, stride_col_idx_n,
             tile, b, hk, heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_N, BLOCK_M, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS)
+            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_MOD_GRADS)
     else:
         if PROGRAMS == 0:
             tile -= n_key_tiles
@@ -326,14 +352,14 @@ def _attn_bwd(
             query_tile = n_q_tiles - 1 - query_tile
         _dq_program(
             Q, K, V, DO, LSE2, DELTA, DQ, KEY_LENGTHS, ROW_FULL_NUM, ROW_FULL_IDX, ROW_PART_NUM, ROW_PART_IDX,
-            stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            MODS, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_dom, stride_dod,
             stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-            stride_row_num_h, stride_row_num_m, stride_row_idx_h, stride_row_idx_m,
+            stride_row_num_b, stride_row_num_h, stride_row_num_m, stride_row_idx_b, stride_row_idx_h, stride_row_idx_m,
             query_tile, b, hk * groups + tile // n_q_tiles, heads, groups, q_len, kv_len, head_dim,
             qk_scale, scale, stats_stride,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS)
+            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD)
 
 
 # ---------------------------------------------------------------------------------- launcher
@@ -346,9 +372,11 @@ PREPROCESS = Launcher(_bwd_preprocess)
 BACKWARD = Launcher(_attn_bwd)
 
 
-def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, plan: LaunchPlan):
+def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()):
     """``dq, dk, dv`` (dtypes and shapes of q, k, v) for the gradients ``do`` of o and ``dlse`` of
-    lse (or None); ``key_lengths`` as ``plan.key_lengths_arg`` gives it."""
+    lse (or None), and the fp32 gradients of the tensors the mask and score functions capture
+    (``captures``, as ``plan.captures`` gives them; None for those that do not require grad);
+    ``key_lengths`` as ``plan.key_lengths_arg`` gives it."""
     batch, heads, q_len = plan.batch, plan.heads, plan.q_len
     # Rows of delta and lse2 start 64-byte aligned, so that the dK/dV loops' loads of a tile's
     # values vectorise (with rows at q_len, 4-byte copies: twice Flex's copy instructions per tile).
@@ -363,17 +391,26 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     (cols, col_strides), (rows, row_strides) = plan.tables_of("q"), plan.tables_of("kv")
-    tensors = (q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, *cols, *rows)
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+             if t.requires_grad and t.dtype.is_floating_point else None for t in captures]
+    tensors = (q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, *cols, *rows,
+               plan.mods_table(list(captures), grads))
     scalars = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *col_strides,
                *row_strides, heads, plan.groups, q_len, plan.kv_len, plan.head_dim, plan.qk_scale,
                plan.scale, stats_stride)
+
+    score_mod_grads = plan.score_mod_grads
 
     def launcher(programs: int):
         def launch(cfg: KernelConfig) -> None:
             key_tiles = triton.cdiv(plan.kv_len, cfg.block_m)
             query_tiles = plan.groups * triton.cdiv(q_len, cfg.block_m)
             grid = ((key_tiles + query_tiles, key_tiles, query_tiles)[programs], batch * plan.kv_heads)
-            BACKWARD(grid, tensors, scalars, plan.constexprs(cfg, PROGRAMS=programs))
+            if programs != 2:  # the dK/dV programs add into the captured tensors' gradients: once per launch
+                for grad in grads:
+                    if grad is not None:
+                        grad.zero_()
+            BACKWARD(grid, tensors, scalars, plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=score_mod_grads))
         return launch
 
     if plan.padded_dim >= FUSED_FROM_HEAD_DIM:
@@ -381,4 +418,4 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
     else:
         run_tuned("dkdv", plan.config_key, launcher(1))
         run_tuned("dq", plan.config_key, launcher(2))
-    return dq, dk, dv
+    return dq, dk, dv, grads

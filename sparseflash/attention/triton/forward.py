@@ -13,6 +13,9 @@ Constexpr flags (one kernel body, specialised by the compiler):
   EVEN_LENGTHS    DENSE and CAUSAL only: both tiles divide q_len and kv_len, so no tile holds a
                   row or key past them and the loads need no bounds. The lengths themselves are
                   not specialised on: a new length compiles at most this one more variant.
+  MASK_MOD        SPARSE only: a generated element predicate (codegen.py) for the partial blocks, or None.
+  SCORE_MOD       a generated score function (codegen.py) for every computed score, or None; both read
+                  their captured tensors through the MODS table.
 
 The softmax runs in base 2: scores are scaled by scale * log2(e), the running max m and sum l
 are kept per row and the output is divided by l once at the end; lse = (m + log2 l) * ln 2.
@@ -38,19 +41,22 @@ from sparseflash.attention.triton.tuning import KernelConfig, run_tuned
 
 @triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-               t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
+               t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
                FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
+               APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
                BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
                DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Online softmax over key tiles t_lo..t_hi-1 of one query tile."""
+    # a row of a tile may lose every key to the masks, or to a score function returning -inf
+    MAY_BE_EMPTY: tl.constexpr = APPLY_CAUSAL or APPLY_KV_BOUND or APPLY_MASK_MOD or SCORE_MOD is not None
     block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     for t in range(t_lo, t_hi):
         offs_kv = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
-        s, _, v = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv,
-                                  offs_d, kv_bound, head_dim, qk_scale, APPLY_CAUSAL, APPLY_KV_BOUND, D_PADDED,
-                                  False, DOT_PRECISION, WIDEN_DOTS)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, APPLY_CAUSAL or APPLY_KV_BOUND, DOT_PRECISION,
-                                            WIDEN_DOTS)
+        s, _, v, _ = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv,
+                                     offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS, APPLY_CAUSAL,
+                                     APPLY_KV_BOUND, APPLY_MASK_MOD, MASK_MOD, SCORE_MOD, D_PADDED, False,
+                                     DOT_PRECISION, WIDEN_DOTS)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MAY_BE_EMPTY, DOT_PRECISION, WIDEN_DOTS)
         block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     return acc, l_i, m_i
 
@@ -58,18 +64,18 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 @triton.jit(do_not_specialize=ROW_LENGTH_ARGS)
 def _attn_fwd(
     Q, K, V, O, LSE, KEY_LENGTHS,
-    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+    stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
     heads, groups, q_len, kv_len, head_dim, qk_scale,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
 ):
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
     tl.static_assert(SPARSE_BLOCK_N % BLOCK_N == 0, "BLOCK_N must divide SPARSE_BLOCK_N")
@@ -99,20 +105,20 @@ def _attn_fwd(
     FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
     PART_NEEDS_BOUND: tl.constexpr = HAS_KEY_LENGTHS or not EVEN_LENGTHS
     full_idx, full_hi, part_idx, part_lo, part_hi = row_tile_ranges(
-        FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound,
-        stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+        FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, q_start, kv_bound,
+        stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
         MASK_KIND, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
-        WALK_TABLES, False, FULL_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
-        WIDEN_DOTS)
+        0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
+        WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD, SCORE_MOD, BLOCK_N, SPARSE_BLOCK_N, D_PADDED,
+        DOT_PRECISION, WIDEN_DOTS)
     if part_hi > part_lo:  # rows without partial blocks skip the masked run's set-up and drain
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale,
-            WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
-            WIDEN_DOTS)
+            part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
+            MODS, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD, SCORE_MOD, BLOCK_N,
+            SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
 
     o, lse = finish_rows(acc, l_i, m_i)
     o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
@@ -124,14 +130,15 @@ def _attn_fwd(
 FORWARD = Launcher(_attn_fwd)
 
 
-def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
+                      captures=()) -> tuple[torch.Tensor, torch.Tensor]:
     """``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32; ``key_lengths`` as
     ``plan.key_lengths_arg`` gives it. Configs with ``persistent`` go to forward_persistent.py where
     the tensors' layouts allow, else to this kernel with the same tiles."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     tables, table_strides = plan.tables_of("kv")
-    tensors = (q, k, v, o, lse, key_lengths, *tables)
+    tensors = (q, k, v, o, lse, key_lengths, *tables, plan.mods_table(list(captures)))
     scalars = (*q.stride(), *k.stride(), *v.stride(), *o.stride(), *table_strides, plan.heads, plan.groups,
                plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale)
 

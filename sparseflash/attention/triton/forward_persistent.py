@@ -77,13 +77,14 @@ def _attn_fwd_persistent(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
     q_rows, k_rows, v_rows, o_rows,
-    stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+    stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
     heads, groups, q_len, kv_len, n_tiles, qk_scale,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
 ):
     """The forward of DENSE and CAUSAL masks whose tiles divide the lengths and of SPARSE masks without
     partial blocks, as NUM_PROGRAMS programs that each take every NUM_PROGRAMS-th (batch x head,
@@ -91,8 +92,8 @@ def _attn_fwd_persistent(
     Triton's warp specialisation (Hopper, num_warps=4) splits the tile loop into a producer warp
     that loads and two consumer warpgroups of BLOCK_M / 2 rows each; the producer loads the next
     tile's Q while the consumers finish the current one."""
-    tl.static_assert(not HAS_KEY_LENGTHS and not D_PADDED,
-                     "the persistent forward takes no key_lengths and unpadded heads only")
+    tl.static_assert(not HAS_KEY_LENGTHS and not D_PADDED and MASK_MOD is None and SCORE_MOD is None,
+                     "the persistent forward takes no key_lengths, mask or score functions and unpadded heads only")
     q_desc = row_view(Q, q_rows, stride_qm, BLOCK_M, HEAD_DIM)
     k_desc = row_view(K, k_rows, stride_kn, BLOCK_N, HEAD_DIM)
     v_desc = row_view(V, v_rows, stride_vn, BLOCK_N, HEAD_DIM)
@@ -109,8 +110,8 @@ def _attn_fwd_persistent(
         b = bh // heads
         h = bh % heads
         full_idx, full_hi, _, _, part_hi = row_tile_ranges(
-            FULL_NUM, FULL_IDX, FULL_NUM, FULL_IDX, h, q_start, kv_len,
-            stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+            FULL_NUM, FULL_IDX, FULL_NUM, FULL_IDX, b, h, q_start, kv_len,
+            stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
             MASK_KIND, False, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
         q_row, q_col = row_view_coords(b, h, q_start, stride_qb, stride_qh, stride_qm)
         k_row, k_col = row_view_coords(b, h // groups, 0, stride_kb, stride_kh, stride_kn)
@@ -156,11 +157,12 @@ def _supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def mode(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, has_key_lengths: bool, padded_dim: int) -> str:
+def mode(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, has_key_lengths: bool, padded_dim: int,
+         has_score_mod: bool) -> str:
     """How the tuner may use the persistent forward for this problem: "" not at all, "auto" timed
     against the other forward configs, "only" instead of them (``SPARSEFLASH_PERSISTENT=1``). The
     layout of each call's tensors is checked at launch (``launch``). Not bf16 under the interpreter,
-    whose TMA loads corrupt bf16 (Triton 3.9)."""
+    whose TMA loads corrupt bf16 (Triton 3.9), nor with a score function."""
     choice = _choice()
     if choice == "0":
         return ""
@@ -168,7 +170,7 @@ def mode(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, has_key_lengths: boo
         even_tiles = not bool(mask.partial_layout.any())  # IS_CAUSAL then changes nothing either
     else:
         even_tiles = q.shape[2] % TILE_ROWS == 0 and k.shape[2] % TILE_ROWS == 0
-    applies = (even_tiles and not has_key_lengths and padded_dim == q.shape[3] <= MAX_HEAD_DIM
+    applies = (even_tiles and not has_key_lengths and not has_score_mod and padded_dim == q.shape[3] <= MAX_HEAD_DIM
                and (q.dtype is torch.float16 or (q.dtype is torch.bfloat16 and not interpreting()))
                and _supported(q.device))
     if not applies:

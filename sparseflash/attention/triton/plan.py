@@ -1,9 +1,10 @@
 """The host side of a launch: what every kernel launch of a call needs, built once per mask.
 
-A ``LaunchPlan`` holds the shapes, the mask's block tables on the device, the tuning key and the
-constexpr flags shared by the forward and backward kernels. ``LaunchPlan.of`` keeps it on the mask
-(``mask.derived``), keyed by what it depends on (shapes, dtype, device, scale, key_lengths
-presence): building it cost ~25 µs of host time per call on an H100 host.
+A ``LaunchPlan`` holds the shapes, the mask's block tables on the device, the tuning key, the
+constexpr flags shared by the forward and backward kernels, and the helpers generated from the
+mask's mask_mod and the call's score_mod with the tensors they capture. ``LaunchPlan.of`` keeps it
+on the mask (``mask.derived``), keyed by what it depends on (shapes, dtype, device, scale,
+key_lengths presence, score_mod): building it cost ~25 µs of host time per call on an H100 host.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import torch
 import triton
 
-from sparseflash.attention.triton import forward_persistent
+from sparseflash.attention.triton import codegen, forward_persistent
 from sparseflash.attention.triton.launch import interpreting
 from sparseflash.attention.triton.tuning import ConfigKey, KernelConfig
 from sparseflash.masks import BlockMask, MaskKind
+from sparseflash.masks.functions import Graph
 
 LOG2E = 1.4426950408889634
 KIND_CODES = {MaskKind.DENSE: 0, MaskKind.CAUSAL: 1, MaskKind.SPARSE: 2}  # the kernels' MASK_KIND
@@ -26,15 +28,17 @@ class LaunchPlan:
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, has_key_lengths: bool,
-           scale: float) -> "LaunchPlan":
+           scale: float, score_graph: Graph | None = None) -> "LaunchPlan":
         per_mask = mask.derived.setdefault("triton", {})
-        key = (q.shape, k.shape, q.dtype, q.device, has_key_lengths, scale)
+        key = (q.shape, k.shape, q.dtype, q.device, has_key_lengths, scale,
+               None if score_graph is None else score_graph.key())
         plan = per_mask.get(key)
         if plan is None:
-            plan = per_mask[key] = cls(q, k, mask, has_key_lengths, scale)
+            plan = per_mask[key] = cls(q, k, mask, has_key_lengths, scale, score_graph)
         return plan
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, has_key_lengths: bool, scale: float):
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, has_key_lengths: bool, scale: float,
+                 score_graph: Graph | None = None):
         self.batch, self.heads, self.q_len, self.head_dim = q.shape
         self.kv_heads, self.kv_len = k.shape[1], k.shape[2]
         self.groups = self.heads // self.kv_heads
@@ -44,13 +48,49 @@ class LaunchPlan:
         self.kind, self.causal, self.sparse_block = mask.kind, mask.causal, mask.block_size
         # fp32 inputs use TF32 tensor-core dots on the GPU (exact IEEE in the interpreter)
         self.dot_precision = "tf32" if q.dtype is torch.float32 and not interpreting() else "ieee"
-        persistent = forward_persistent.mode(q, k, mask, has_key_lengths, self.padded_dim)
-        self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent)
         self._placeholder = torch.empty(1, dtype=torch.int32, device=q.device)  # for absent tensors
+        self._mods(mask, score_graph)
+        persistent = forward_persistent.mode(q, k, mask, has_key_lengths, self.padded_dim, score_graph is not None)
+        mods = "+".join(name for name, fn in (("mask", self.mask_mod), ("score", self.score_mod)) if fn is not None)
+        self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods)
         tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
         self._tables = {side: self._tables_of(tables, side) for side in ("kv", "q")}
         self._constexprs: dict[tuple, dict] = {}
         self.per_layout: dict[str, dict] = {}  # what a kernel keeps per input layout, under its own key
+
+    def _mods(self, mask: BlockMask, score_graph: Graph | None) -> None:
+        """The helpers generated from the mask's mask_mod (only where some tile needs it evaluated) and
+        the score function's graph (None where absent), and the tensors the mask_mod captures. A
+        score function's captured tensors are given with each call (``captures``): the generated code
+        depends on the graph's structure only, so a new closure of the same function reuses the plan."""
+        mask_graph = mask.mask_graph if mask.needs_mask_mod else None
+        self.mask_captures = list(mask_graph.captures) if mask_graph is not None else []
+        helpers = codegen.helpers(mask_graph, score_graph) if mask_graph or score_graph else None
+        self.mask_mod = helpers.mask_mod if helpers else None
+        self.score_mod = helpers.score_mod if helpers else None
+        self.score_mod_grads = helpers.score_mod_grads if helpers else None
+        self._mods_tables: dict[tuple, torch.Tensor] = {}
+
+    def captures(self, score_graph: Graph | None) -> list[torch.Tensor]:
+        """The tensors the generated helpers read, in MODS order: the mask_mod's, then the score
+        function's (of this call's trace), each checked to be on the inputs' device."""
+        captures = self.mask_captures + (list(score_graph.captures) if score_graph is not None else [])
+        device = self._placeholder.device
+        for t in captures:
+            if t.device != device:
+                raise ValueError(f"a tensor captured by a mask or score function is on {t.device}; the inputs "
+                                 f"are on {device} (create it there, or build the mask with device={device})")
+        return captures
+
+    def mods_table(self, captures: list[torch.Tensor], grads: list | None = None) -> torch.Tensor:
+        """The MODS table of the captured tensors (and their gradient buffers), kept per layout when
+        there are no gradient buffers."""
+        if grads is not None and any(g is not None for g in grads):
+            return codegen.mods_table(captures, grads, self._placeholder.device)
+        layout = tuple((t.data_ptr(), t.stride()) for t in captures)
+        if layout not in self._mods_tables:
+            self._mods_tables[layout] = codegen.mods_table(captures, [None] * len(captures), self._placeholder.device)
+        return self._mods_tables[layout]
 
     def key_lengths_arg(self, key_lengths: torch.Tensor | None) -> torch.Tensor:
         """``key_lengths`` as the kernels read it (int32), or a placeholder (HAS_KEY_LENGTHS is off)."""
@@ -58,18 +98,23 @@ class LaunchPlan:
 
     def tables_of(self, side: str) -> tuple[tuple, tuple]:
         """``side`` "kv" (row tables) or "q" (column tables): the tensors full num/idx and partial
-        num/idx, and the (head, row) strides of num and idx; the head stride is 0 for a shared layout."""
+        num/idx, and the (batch, head, row) strides of num and idx; a batch or head stride is 0 where
+        the layout is shared."""
         return self._tables[side]
 
     def _tables_of(self, tables, side: str) -> tuple[tuple, tuple]:
         if tables is None:  # DENSE and CAUSAL kernels read no table
-            return (self._placeholder,) * 4, (0, 0, 0, 0)
+            return (self._placeholder,) * 4, (0,) * 6
         full_num, full_idx = getattr(tables, f"full_{side}_num_blocks"), getattr(tables, f"full_{side}_indices")
         part_num, part_idx = getattr(tables, f"partial_{side}_num_blocks"), getattr(tables, f"partial_{side}_indices")
-        shared = full_num.shape[0] == 1
-        return ((full_num, full_idx, part_num, part_idx),
-                (0 if shared else full_num.stride(0), full_num.stride(1),
-                 0 if shared else full_idx.stride(0), full_idx.stride(1)))
+
+        def strides(x: torch.Tensor, dims: int) -> tuple[int, int, int]:  # dims: 1 for num, 2 for idx
+            lead = x.dim() - dims  # 1 (heads) or 2 (batch, heads)
+            batch = x.stride(0) if lead == 2 and x.shape[0] > 1 else 0
+            head = x.stride(lead - 1) if x.shape[lead - 1] > 1 else 0
+            return batch, head, x.stride(lead)
+
+        return (full_num, full_idx, part_num, part_idx), (*strides(full_num, 1), *strides(full_idx, 2))
 
     def constexprs(self, cfg: KernelConfig, **extra) -> dict:
         """The constexprs and launch options of a launch with ``cfg``: its tiles, warps and stages,
@@ -88,4 +133,5 @@ class LaunchPlan:
             SPARSE_BLOCK_M=self.sparse_block[0], SPARSE_BLOCK_N=self.sparse_block[1],
             HEAD_DIM=self.padded_dim, D_PADDED=self.padded_dim != self.head_dim,
             DOT_PRECISION=self.dot_precision, WIDEN_DOTS=interpreting(), EVEN_LENGTHS=even,
+            MASK_MOD=self.mask_mod, SCORE_MOD=self.score_mod,
         )

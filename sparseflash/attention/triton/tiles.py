@@ -12,8 +12,12 @@ Constexpr flags the helpers take (the kernels pass their own through):
   V_TRANSPOSED    load the value tile as (D, BN) (the dQ loop's layout) instead of (BN, D).
   DOT_PRECISION   tl.dot input precision ("tf32" for fp32 inputs on the GPU, "ieee" otherwise).
   WIDEN_DOTS      interpreter only: widen dot operands to fp32 (its bf16 dot is wrong).
+  MASK_MOD        a generated element predicate (codegen.py), applied with APPLY_MASK_MOD (partial
+                  tiles), or None.
+  SCORE_MOD       a generated score function (codegen.py) applied to every computed score, or None.
 
-Scores are kept in base 2: the kernels scale q k^T by ``scale * log2(e)`` and use exp2/log2.
+Scores are kept in base 2: the kernels scale q k^T by ``scale * log2(e)`` and use exp2/log2. A
+score_mod sees the natural score ``scale * q.k`` and its result is then scaled by log2(e).
 """
 
 import triton
@@ -23,7 +27,8 @@ import triton.language as tl
 # so that a new length reuses the compiled kernel: the lengths and the strides of the row tables
 # (block counts). The tensor strides stay specialised: their divisibility decides the width of
 # vector loads.
-ROW_LENGTH_ARGS = ["q_len", "kv_len", "stride_num_h", "stride_num_m", "stride_idx_h", "stride_idx_m"]
+ROW_LENGTH_ARGS = ["q_len", "kv_len", "stride_num_b", "stride_num_h", "stride_num_m", "stride_idx_b",
+                   "stride_idx_h", "stride_idx_m"]
 
 @triton.jit
 def mma(a, b, acc, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
@@ -81,8 +86,8 @@ def blocks_below(idx_ptr, num, bound_block):
 
 
 @triton.jit
-def row_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound,
-                    stride_num_h, stride_num_m, stride_idx_h, stride_idx_m,
+def row_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, q_start, kv_bound,
+                    stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
                     MASK_KIND: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
     """Key tiles of the query tile at q_start, as an unmasked run and a masked run.
@@ -94,8 +99,8 @@ def row_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound
     if MASK_KIND == 2:
         tiles_per_block: tl.constexpr = SPARSE_BLOCK_N // BLOCK_N
         mask_row = q_start // SPARSE_BLOCK_M
-        num_off = h * stride_num_h + mask_row * stride_num_m
-        idx_off = h * stride_idx_h + mask_row * stride_idx_m
+        num_off = b * stride_num_b + h * stride_num_h + mask_row * stride_num_m
+        idx_off = b * stride_idx_b + h * stride_idx_h + mask_row * stride_idx_m
         full_num = tl.load(FULL_NUM + num_off)
         part_num = tl.load(PART_NUM + num_off)
         if HAS_KEY_LENGTHS:
@@ -114,14 +119,36 @@ def row_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, h, q_start, kv_bound
 
 
 @triton.jit
+def mod_positions(offs_m, offs_kv, q_len, kv_len):
+    """Query and key positions as a mask or score function sees them, clamped into the sequences (a
+    tile's rows or keys past them are dropped anyway, and a captured tensor as long as a sequence is
+    then never read past its end)."""
+    return tl.minimum(offs_m, q_len - 1), tl.minimum(offs_kv, kv_len - 1)
+
+
+@triton.jit
+def modded_scores(qk, b, h, q_idx, kv_idx, qk_scale, MODS, SCORE_MOD: tl.constexpr):
+    """Base-2 scores of the products q.k in ``qk`` (any tile layout; q_idx and kv_idx broadcast to
+    it) and the score function's derivative with respect to the natural score (1.0 without one)."""
+    if SCORE_MOD is not None:
+        s, d_score = SCORE_MOD(qk * (qk_scale * 0.6931471805599453), b, h, q_idx, kv_idx, MODS)  # * ln 2
+        return s * 1.4426950408889634, d_score
+    else:
+        return qk * qk_scale, 1.0
+
+
+@triton.jit
 def key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv, offs_d,
-                    kv_bound, head_dim, qk_scale, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
+                    kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
+                    APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr, APPLY_MASK_MOD: tl.constexpr,
+                    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
                     D_PADDED: tl.constexpr, V_TRANSPOSED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     WIDEN_DOTS: tl.constexpr):
     """Load the key tile at offs_kv and score it against q.
 
-    Returns the base-2 scores (BM, BN) with dropped ones at -inf (keys past kv_bound; and, with
-    APPLY_CAUSAL, keys after the query), k^T (D, BN), and v as (BN, D), or (D, BN) with V_TRANSPOSED."""
+    Returns the base-2 scores (BM, BN) with dropped ones at -inf (keys past kv_bound; with
+    APPLY_CAUSAL, keys after the query; with APPLY_MASK_MOD, what MASK_MOD drops), k^T (D, BN), v as
+    (BN, D), or (D, BN) with V_TRANSPOSED, and SCORE_MOD's derivative (``modded_scores``)."""
     k_ptrs = k_base + offs_kv[None, :] * stride_kn + offs_d[:, None] * stride_kd
     if V_TRANSPOSED:
         v_ptrs = v_base + offs_kv[None, :] * stride_vn + offs_d[:, None] * stride_vd
@@ -137,13 +164,17 @@ def key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_v
     else:
         k_t = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    s = mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS) * qk_scale
-    if APPLY_CAUSAL or APPLY_KV_BOUND:
+    q_idx, kv_idx = mod_positions(offs_m[:, None], offs_kv[None, :], q_len, kv_len)
+    s, d_score = modded_scores(mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS), b, h, q_idx, kv_idx, qk_scale, MODS,
+                               SCORE_MOD)
+    if APPLY_CAUSAL or APPLY_KV_BOUND or APPLY_MASK_MOD:
         keep = offs_kv[None, :] < kv_bound
         if APPLY_CAUSAL:
             keep = keep & (offs_m[:, None] >= offs_kv[None, :])
+        if APPLY_MASK_MOD:
+            keep = keep & MASK_MOD(b, h, q_idx, kv_idx, MODS)
         s = tl.where(keep, s, float("-inf"))
-    return s, k_t, v
+    return s, k_t, v, d_score
 
 
 @triton.jit

@@ -62,14 +62,15 @@ class ConfigKey:
     parallelism: int  # log2 of batch x heads x 128-row query tiles: how well a grid fills the GPU
     device: str
     persistent: str = ""  # forward_persistent.mode(): "" never, "auto" tuned against the others, "only"
+    mods: str = ""  # generated helpers in the loop: "", "mask", "score" or "mask+score" (registers, work)
 
     @classmethod
-    def of(cls, q: torch.Tensor, mask, padded_dim: int, persistent: str = "") -> "ConfigKey":
+    def of(cls, q: torch.Tensor, mask, padded_dim: int, persistent: str = "", mods: str = "") -> "ConfigKey":
         blocks_per_row = max(1.0, mask.mean_row_blocks)
         tiles = q.shape[0] * q.shape[1] * -(-q.shape[2] // 128)
         return cls(padded_dim, str(q.dtype).removeprefix("torch."), mask.kind.name,
                    tuple(mask.block_size), mask.causal, round(math.log2(blocks_per_row)),
-                   round(math.log2(tiles)), _device_name(q.device), persistent)
+                   round(math.log2(tiles)), _device_name(q.device), persistent, mods)
 
     def __str__(self) -> str:
         return "|".join(str(v) for v in asdict(self).values()) + f"|triton-{triton.__version__}"
