@@ -9,7 +9,8 @@ rows fail even where a whole-tensor norm would hide them. The relative error ove
 stay within the dtype's ``REL_TOL`` too, nothing may be NaN, and the ``-inf`` entries of lse (rows
 that see no key) must match exactly. lse is computed in fp32 by every backend and is held to an
 fp32 tolerance (``LSE_TOL``), except for fp32 inputs on a GPU, whose dots run in TF32 by design:
-there the baseline also uses TF32, and lse follows the ``FACTOR`` rule.
+there the baseline also uses TF32, lse follows the ``FACTOR`` rule and the relative error may reach
+``TF32_REL_TOL``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from sparseflash.masks.functions import trace
 
 FACTOR = {torch.float16: 2.0, torch.bfloat16: 2.0, torch.float32: 8.0}
 REL_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-5}
+TF32_REL_TOL = 5e-3  # fp32 inputs on a GPU: TF32 dots (10-bit mantissas), as fp16's
 LSE_TOL = 1e-5  # absolute and relative: |lse - lse_ref| <= LSE_TOL * (1 + |lse_ref|)
 NAMES = ("o", "lse", "dq", "dk", "dv")
 
@@ -144,7 +146,7 @@ def check_outputs(got: Outputs, q, k, v, mask, do, key_lengths=None, *, scale=No
         if name.startswith("dcapture"):  # in the captured tensor's dtype: compared in the inputs' terms
             actual, expected, baseline = actual.to(dtype), expected.to(torch.float64), baseline.to(dtype)
         assert actual.dtype == (torch.float32 if name == "lse" else dtype), f"{name}: dtype {actual.dtype}"
-        assert_close(actual, expected, REL_TOL[dtype], name)
+        assert_close(actual, expected, TF32_REL_TOL if tf32 else REL_TOL[dtype], name)
         err = max_error(actual, expected)
         if name == "lse" and not tf32:
             bound = (LSE_TOL * (1 + expected.abs())).where(torch.isfinite(expected), 0)

@@ -172,3 +172,32 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 def test_gpu_mods_match_reference(case):
     _check(case, "triton", "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("kind", ["sliding-causal", "document", "butterfly-and-window", "alibi", "softcap"])
+def test_gpu_persistent_forward_with_functions(kind, dim, monkeypatch):
+    """The persistent forward (SPARSEFLASH_PERSISTENT=1) masking every tile with a mask_mod, or applying
+    a score function, at S=4096 with GQA, against the reference."""
+    from sparseflash.attention.triton import tuning
+
+    monkeypatch.setenv("SPARSEFLASH_PERSISTENT", "1")
+    tuning.forget()
+    seq_len, heads, device = 4096, 8, "cuda"
+    q, k, v, do = _inputs(2, heads, heads // 2, seq_len, seq_len, dim, torch.bfloat16, device)
+    score_mod = None
+    if kind == "sliding-causal":
+        mask = masks.make("sliding_window", seq_len, block=128, window=700, causal=True, device=device)
+    elif kind == "document":
+        mask = masks.make("document", seq_len, block=128, documents=9, seed=1, device=device)
+    elif kind == "butterfly-and-window":
+        mask = masks.make("butterfly", seq_len, block=128, device=device) & masks.make(
+            "sliding_window", seq_len, block=128, window=1000, device=device)
+    else:
+        mask = masks.make("causal", seq_len, block=128)
+        score_mod = make_score_mod("alibi", heads).to(device) if kind == "alibi" else make_score_mod("softcap", heads,
+                                                                                                     cap=5.0)
+    with tuning.recording() as launched:
+        check_backend("triton", q, k, v, mask, do, score_mod=score_mod)
+    assert launched[0].config.persistent

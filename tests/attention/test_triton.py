@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparseflash.attention.score_mods import make_score_mod
 from sparseflash.masks import make
 from tests.helpers import REL_TOL as TOL
 from tests.helpers import assert_close, attention_with_grads, check_backend
@@ -163,7 +164,11 @@ PERSISTENT_CASES = {
     "butterfly-s128-d32-misaligned": ("butterfly", 128, 32, False, "misaligned", False),  # TMA cannot read it
     "causal-s128-d16-gqa": ("causal", 128, 16, True, "contiguous", True),
     "causal-s128-d32-bshd": ("causal", 128, 32, False, "bshd", True),
-    "local-causal-s128-d16-mha": ("local-causal", 128, 16, False, "contiguous", False),  # partial blocks
+    "local-causal-s128-d16-mha": ("local-causal", 128, 16, False, "contiguous", True),  # causal partial tiles
+    "sliding-window-s128-d32-gqa": ("sliding-window", 128, 32, True, "contiguous", True),  # mask_mod partial tiles
+    "causal-alibi-s128-d16-mha": ("causal-alibi", 128, 16, False, "contiguous", True),  # a score function
+    "butterfly-window-s96-d16-bshd": ("butterfly-window", 96, 16, False, "bshd", True),  # layout & mask_mod
+    "sliding-window-s111-d16-mha": ("sliding-window", 111, 16, False, "contiguous", False),  # ragged tiles
     "dense-s111-d16-mha": ("dense", 111, 16, False, "contiguous", False),  # a ragged tail
     "butterfly-s128-d40-mha": ("butterfly", 128, 40, False, "contiguous", False),  # padded head dim
 }
@@ -194,9 +199,18 @@ def test_persistent_forward_matches_reference(case, monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, do = (_layout(x, layout) for x in _inputs(2, 4, 2 if gqa else 4, seq_len, seq_len, dim,
                                                           torch.float16, device))
-    mask = _mask(kind, seq_len, seq_len, 4)
+    score_mod = None
+    if kind == "sliding-window":
+        mask = make("sliding_window", seq_len, block=32, window=23, causal=gqa, device=device)
+    elif kind == "butterfly-window":
+        mask = make("butterfly", seq_len, block=32, device=device) & make("sliding_window", seq_len, block=32,
+                                                                            window=40, device=device)
+    elif kind == "causal-alibi":
+        mask, score_mod = make("causal", seq_len, block=64), make_score_mod("alibi", 4).to(device)
+    else:
+        mask = _mask(kind, seq_len, seq_len, 4)
     with tuning.recording() as launched:
-        got = check_backend("triton", q, k, v, mask, do)
+        got = check_backend("triton", q, k, v, mask, do, score_mod=score_mod)
     assert launched[0].kernel == "forward" and launched[0].config.persistent is persistent
     if kind == "empty-rows":
         assert torch.all(got[0][:, :, :32] == 0) and torch.all(got[1][:, :, :32] == float("-inf"))

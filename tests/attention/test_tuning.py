@@ -188,27 +188,22 @@ def test_persistent_mode_follows_the_environment(choice, interpreter, want, monk
     monkeypatch.setattr(forward_persistent, "interpreting", lambda: interpreter)
     monkeypatch.setattr(forward_persistent, "_supported", lambda device: True)
     q = torch.empty(1, 4, 4096, 128, dtype=torch.float16)
-    assert forward_persistent.mode(q, q, make("butterfly", 4096, block=128), False, 128, False) == want
+    assert forward_persistent.mode(q, q, make("butterfly", 4096, block=128), False, 128) == want
 
 
-@pytest.mark.parametrize("case", ["key_lengths", "padded-head-dim", "ragged-length", "partial-blocks", "fp32",
-                                  "score-mod", "mask-mod"])
+@pytest.mark.parametrize("case", ["key_lengths", "padded-head-dim", "ragged-length", "ragged-sparse", "fp32"])
 def test_persistent_mode_refuses_what_it_cannot_take(case, monkeypatch):
     monkeypatch.setenv("SPARSEFLASH_PERSISTENT", "1")
     monkeypatch.setattr(forward_persistent, "_supported", lambda device: True)
-    seq_len = 4000 if case == "ragged-length" else 4096
+    seq_len = 4000 if case in ("ragged-length", "ragged-sparse") else 4096
     dim = 96 if case == "padded-head-dim" else 128
     q = torch.empty(1, 4, seq_len, dim, dtype=torch.float32 if case == "fp32" else torch.float16)
-    mask = make("butterfly" if case != "ragged-length" else "dense", seq_len, block=128,
-                causal=case == "partial-blocks")
-    if case == "mask-mod":  # a window that cuts tiles: they are partial
-        mask = make("sliding_window", seq_len, block=128, window=300)
+    mask = make("butterfly" if case != "ragged-length" else "dense", seq_len, block=128)
     padded = 128
-    assert forward_persistent.mode(q, q, mask, case == "key_lengths", padded, case == "score-mod") == ""
+    assert forward_persistent.mode(q, q, mask, case == "key_lengths", padded) == ""
 
 
 def test_persistent_choice_rejects_other_values(monkeypatch):
     monkeypatch.setenv("SPARSEFLASH_PERSISTENT", "yes")
     with pytest.raises(ValueError, match="SPARSEFLASH_PERSISTENT must be auto, 0 or 1; got 'yes'"):
-        forward_persistent.mode(torch.empty(1, 1, 128, 16), torch.empty(1, 1, 128, 16), make("dense", 128), False, 16,
-                                False)
+        forward_persistent.mode(torch.empty(1, 1, 128, 16), torch.empty(1, 1, 128, 16), make("dense", 128), False, 16)

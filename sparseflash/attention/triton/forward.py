@@ -138,13 +138,14 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     tables, table_strides = plan.tables_of("kv")
-    tensors = (q, k, v, o, lse, key_lengths, *tables, plan.mods_table(list(captures)))
+    mods = plan.mods_table(list(captures))
+    tensors = (q, k, v, o, lse, key_lengths, *tables, mods)
     scalars = (*q.stride(), *k.stride(), *v.stride(), *o.stride(), *table_strides, plan.heads, plan.groups,
                plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale)
 
     def launch(cfg: KernelConfig) -> KernelConfig | None:
         if cfg.persistent:
-            if forward_persistent.launch(plan, cfg, q, k, v, o, lse):
+            if forward_persistent.launch(plan, cfg, q, k, v, o, lse, mods):
                 return None
             cfg = dataclasses.replace(cfg, persistent=False)  # a layout TMA cannot read
         FORWARD((triton.cdiv(plan.q_len, cfg.block_m), plan.batch * plan.heads), tensors, scalars,

@@ -4,10 +4,11 @@ Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLO
 SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS), and
   NUM_PROGRAMS  programs launched (the GPU's SM count): program p takes tiles p, p + NUM_PROGRAMS, ...
 
-It takes the problems whose tiles need no bounds and no element mask but the causal one (``mode``):
-DENSE and CAUSAL masks whose lengths 128-row tiles divide, SPARSE masks without partial blocks; no
-key_lengths, an unpadded head dim (<= 128), fp16/bf16; and inputs whose rows TMA can read
-(``row_view_rows``). Triton's warp specialisation (num_warps=4) splits its tile loop into a producer
+It takes the problems whose tiles need no bounds (``mode``): DENSE and CAUSAL masks whose lengths
+128-row tiles divide, SPARSE masks whose lengths their blocks divide; no key_lengths, an unpadded head dim (<= 128), fp16/bf16; and inputs
+whose rows TMA can read (``row_view_rows``). A SPARSE mask with partial tiles (a causal diagonal, a
+mask_mod that cuts tiles) walks all its computed tiles in one loop and masks every tile, as CAUSAL
+does: a second loop makes the warp-specialisation pass fail. A score function applies to every tile. Triton's warp specialisation (num_warps=4) splits its tile loop into a producer
 warp that loads by TMA and two consumer warpgroups of BLOCK_M / 2 rows each; the producer loads the
 next tile's Q while the consumers finish the current one. ``SPARSEFLASH_PERSISTENT``: "auto"
 (default) lets the tuner time it against the other forward where it applies on Hopper, "1" takes it
@@ -25,7 +26,7 @@ import triton
 import triton.language as tl
 
 from sparseflash.attention.triton.launch import Launcher, interpreting
-from sparseflash.attention.triton.tiles import (ROW_LENGTH_ARGS, finish_rows, listed_block, mma,
+from sparseflash.attention.triton.tiles import (ROW_LENGTH_ARGS, finish_rows, listed_block, mma, modded_scores,
                                                online_softmax_step, row_tile_ranges, tile_start)
 from sparseflash.masks import BlockMask, MaskKind
 
@@ -52,28 +53,38 @@ def row_view_coords(b, h, row, stride_b, stride_h, stride_m):
 
 @triton.jit
 def _fwd_tiles_tma(acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col, t_hi, idx_ptr, q_start,
-                   qk_scale, FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                   qk_scale, b, h, MODS, FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
+                   MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    WIDEN_DOTS: tl.constexpr):
     """``_fwd_tiles`` over tiles 0..t_hi-1 for the persistent forward: K and V through the ``row_view``
-    descriptors, no bounds."""
+    descriptors, no bounds; the causal predicate and MASK_MOD on every tile."""
+    MASKED: tl.constexpr = APPLY_CAUSAL or MASK_MOD is not None
+    MAY_BE_EMPTY: tl.constexpr = MASKED or SCORE_MOD is not None  # a score function may return -inf
     for t in tl.range(0, t_hi):
         block = listed_block(idx_ptr, t, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
         kv_start = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
         k = k_desc.load([k_row + kv_start, k_col])
         v = v_desc.load([v_row + kv_start, v_col])
-        s = mma(q, tl.trans(k), None, DOT_PRECISION, WIDEN_DOTS) * qk_scale
-        if APPLY_CAUSAL:
-            offs_m = q_start + tl.arange(0, BLOCK_M)
-            offs_kv = kv_start + tl.arange(0, BLOCK_N)
-            s = tl.where(offs_m[:, None] >= offs_kv[None, :], s, float("-inf"))
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, APPLY_CAUSAL, DOT_PRECISION, WIDEN_DOTS)
+        offs_m = q_start + tl.arange(0, BLOCK_M)
+        offs_kv = kv_start + tl.arange(0, BLOCK_N)
+        s, _ = modded_scores(mma(q, tl.trans(k), None, DOT_PRECISION, WIDEN_DOTS), b, h, offs_m[:, None],
+                             offs_kv[None, :], qk_scale, MODS, SCORE_MOD)
+        if MASKED:
+            if APPLY_CAUSAL:
+                keep = offs_m[:, None] >= offs_kv[None, :]
+                if MASK_MOD is not None:
+                    keep = keep & MASK_MOD(b, h, offs_m[:, None], offs_kv[None, :], MODS)
+            else:
+                keep = MASK_MOD(b, h, offs_m[:, None], offs_kv[None, :], MODS)
+            s = tl.where(keep, s, float("-inf"))
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MAY_BE_EMPTY, DOT_PRECISION, WIDEN_DOTS)
     return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=PERSISTENT_LENGTH_ARGS)
 def _attn_fwd_persistent(
-    Q, K, V, O, LSE, FULL_NUM, FULL_IDX,
+    Q, K, V, O, LSE, FULL_NUM, FULL_IDX, MODS,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
     q_rows, k_rows, v_rows, o_rows,
@@ -84,16 +95,17 @@ def _attn_fwd_persistent(
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
 ):
-    """The forward of DENSE and CAUSAL masks whose tiles divide the lengths and of SPARSE masks without
-    partial blocks, as NUM_PROGRAMS programs that each take every NUM_PROGRAMS-th (batch x head,
-    query tile), with Q, K, V (and, for DENSE and CAUSAL, O) moved by TMA.
+    """The forward of masks whose tiles divide the lengths, as NUM_PROGRAMS programs that each take
+    every NUM_PROGRAMS-th (batch x head, query tile), with Q, K, V (and, for DENSE and CAUSAL, O) moved
+    by TMA. SPARSE masks walk FULL_NUM/FULL_IDX: their full tiles, or with MASK_EVERY_TILE all their
+    computed tiles, each masked by the causal predicate (IS_CAUSAL) and MASK_MOD.
     Triton's warp specialisation (Hopper, num_warps=4) splits the tile loop into a producer warp
     that loads and two consumer warpgroups of BLOCK_M / 2 rows each; the producer loads the next
     tile's Q while the consumers finish the current one."""
-    tl.static_assert(not HAS_KEY_LENGTHS and not D_PADDED and MASK_MOD is None and SCORE_MOD is None,
-                     "the persistent forward takes no key_lengths, mask or score functions and unpadded heads only")
+    tl.static_assert(not HAS_KEY_LENGTHS and not D_PADDED,
+                     "the persistent forward takes no key_lengths and unpadded heads only")
     q_desc = row_view(Q, q_rows, stride_qm, BLOCK_M, HEAD_DIM)
     k_desc = row_view(K, k_rows, stride_kn, BLOCK_N, HEAD_DIM)
     v_desc = row_view(V, v_rows, stride_vn, BLOCK_N, HEAD_DIM)
@@ -124,7 +136,8 @@ def _attn_fwd_persistent(
         # the warp-specialisation pass fail (Triton 3.9)
         acc, l_i, m_i = _fwd_tiles_tma(
             acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col, part_hi if CAUSAL else full_hi,
-            full_idx, q_start, qk_scale, WALK_TABLES, CAUSAL, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N, DOT_PRECISION,
+            full_idx, q_start, qk_scale, b, h, MODS, WALK_TABLES, CAUSAL or (MASK_EVERY_TILE and IS_CAUSAL),
+            MASK_MOD if MASK_EVERY_TILE else None, SCORE_MOD, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N, DOT_PRECISION,
             WIDEN_DOTS)
         o, lse = finish_rows(acc, l_i, m_i)
         if WALK_TABLES:  # rows of few tiles: o straight from registers, not waiting for a TMA store
@@ -157,20 +170,19 @@ def _supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def mode(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, has_key_lengths: bool, padded_dim: int,
-         has_score_mod: bool) -> str:
+def mode(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, has_key_lengths: bool, padded_dim: int) -> str:
     """How the tuner may use the persistent forward for this problem: "" not at all, "auto" timed
     against the other forward configs, "only" instead of them (``SPARSEFLASH_PERSISTENT=1``). The
     layout of each call's tensors is checked at launch (``launch``). Not bf16 under the interpreter,
-    whose TMA loads corrupt bf16 (Triton 3.9), nor with a score function."""
+    whose TMA loads corrupt bf16 (Triton 3.9)."""
     choice = _choice()
     if choice == "0":
         return ""
-    if mask.kind is MaskKind.SPARSE:
-        even_tiles = not bool(mask.partial_layout.any())  # IS_CAUSAL then changes nothing either
+    if mask.kind is MaskKind.SPARSE:  # no ragged tile: partial tiles are cut by predicates only (MASK_EVERY_TILE)
+        even_tiles = q.shape[2] % mask.block_size[0] == 0 and k.shape[2] % mask.block_size[1] == 0
     else:
         even_tiles = q.shape[2] % TILE_ROWS == 0 and k.shape[2] % TILE_ROWS == 0
-    applies = (even_tiles and not has_key_lengths and not has_score_mod and padded_dim == q.shape[3] <= MAX_HEAD_DIM
+    applies = (even_tiles and not has_key_lengths and padded_dim == q.shape[3] <= MAX_HEAD_DIM
                and (q.dtype is torch.float16 or (q.dtype is torch.bfloat16 and not interpreting()))
                and _supported(q.device))
     if not applies:
@@ -226,25 +238,28 @@ def _scalars(plan, q, k, v, o) -> tuple | None:
     if layout not in per_layout:
         rows = [row_view_rows(x) for x in (q, k, v, o)]
         per_layout[layout] = None if None in rows else (
-            *[s for x in (q, k, v, o) for s in x.stride()[:3]], *rows, *plan.tables_of("kv")[1],
+            *[s for x in (q, k, v, o) for s in x.stride()[:3]], *rows,
+            *plan.tables_of("all" if plan.has_partial_tiles else "kv")[1],
             plan.heads, plan.groups, plan.q_len, plan.kv_len)
     return per_layout[layout]
 
 
-def launch(plan, cfg, q, k, v, o, lse) -> bool:
-    """Launch the persistent forward with ``cfg`` on a problem ``mode`` admits; False (nothing
-    launched) where TMA cannot read one of the tensors' layouts."""
+def launch(plan, cfg, q, k, v, o, lse, mods: torch.Tensor) -> bool:
+    """Launch the persistent forward with ``cfg`` on a problem ``mode`` admits (``mods``: the MODS
+    table); False (nothing launched) where TMA cannot read one of the tensors' layouts."""
     scalars = _scalars(plan, q, k, v, o)
     if scalars is None:
         return False
     programs = _programs(q.device)
     n_tiles = plan.batch * plan.heads * (plan.q_len // cfg.block_m)
-    tables = plan.tables_of("kv")[0][:2]
+    every_tile = plan.has_partial_tiles  # SPARSE only: DENSE and CAUSAL tables are placeholders
+    tables = plan.tables_of("all" if every_tile else "kv")[0][:2]
 
     def run():  # Triton's allocator set in a copy of the caller's context: one the caller set stays
         triton.set_allocator(_scratch)
-        FORWARD_PERSISTENT((min(n_tiles, programs),), (q, k, v, o, lse, *tables), (*scalars, n_tiles, plan.qk_scale),
-                           plan.constexprs(cfg, NUM_PROGRAMS=programs))
+        FORWARD_PERSISTENT((min(n_tiles, programs),), (q, k, v, o, lse, *tables, mods),
+                           (*scalars, n_tiles, plan.qk_scale),
+                           plan.constexprs(cfg, NUM_PROGRAMS=programs, MASK_EVERY_TILE=every_tile))
 
     contextvars.copy_context().run(run)
     return True

@@ -15,7 +15,7 @@ import triton
 from sparseflash.attention.triton import codegen, forward_persistent
 from sparseflash.attention.triton.launch import interpreting
 from sparseflash.attention.triton.tuning import ConfigKey, KernelConfig
-from sparseflash.masks import BlockMask, MaskKind
+from sparseflash.masks import BlockMask, MaskKind, layout_to_tables
 from sparseflash.masks.functions import Graph
 
 LOG2E = 1.4426950408889634
@@ -50,11 +50,15 @@ class LaunchPlan:
         self.dot_precision = "tf32" if q.dtype is torch.float32 and not interpreting() else "ieee"
         self._placeholder = torch.empty(1, dtype=torch.int32, device=q.device)  # for absent tensors
         self._mods(mask, score_graph)
-        persistent = forward_persistent.mode(q, k, mask, has_key_lengths, self.padded_dim, score_graph is not None)
+        persistent = forward_persistent.mode(q, k, mask, has_key_lengths, self.padded_dim)
         mods = "+".join(name for name, fn in (("mask", self.mask_mod), ("score", self.score_mod)) if fn is not None)
         self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods)
         tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
         self._tables = {side: self._tables_of(tables, side) for side in ("kv", "q")}
+        self.has_partial_tiles = mask.kind is MaskKind.SPARSE and bool(mask.partial_layout.any())
+        if self.has_partial_tiles:  # every computed tile in one table, for the persistent forward
+            every = layout_to_tables(mask.layout.to(q.device))
+            self._tables["all"] = ((*every, *every), (*_strides(every[0], 1), *_strides(every[1], 2)))
         self._constexprs: dict[tuple, dict] = {}
         self.per_layout: dict[str, dict] = {}  # what a kernel keeps per input layout, under its own key
 
@@ -97,9 +101,10 @@ class LaunchPlan:
         return self._placeholder if key_lengths is None else key_lengths.to(torch.int32).contiguous()
 
     def tables_of(self, side: str) -> tuple[tuple, tuple]:
-        """``side`` "kv" (row tables) or "q" (column tables): the tensors full num/idx and partial
-        num/idx, and the (batch, head, row) strides of num and idx; a batch or head stride is 0 where
-        the layout is shared."""
+        """``side`` "kv" (row tables), "q" (column tables) or, for a SPARSE mask with partial tiles,
+        "all" (row tables of every computed tile, as both the full and the partial ones): the tensors
+        full num/idx and partial num/idx, and the (batch, head, row) strides of num and idx; a batch
+        or head stride is 0 where the layout is shared."""
         return self._tables[side]
 
     def _tables_of(self, tables, side: str) -> tuple[tuple, tuple]:
@@ -107,14 +112,7 @@ class LaunchPlan:
             return (self._placeholder,) * 4, (0,) * 6
         full_num, full_idx = getattr(tables, f"full_{side}_num_blocks"), getattr(tables, f"full_{side}_indices")
         part_num, part_idx = getattr(tables, f"partial_{side}_num_blocks"), getattr(tables, f"partial_{side}_indices")
-
-        def strides(x: torch.Tensor, dims: int) -> tuple[int, int, int]:  # dims: 1 for num, 2 for idx
-            lead = x.dim() - dims  # 1 (heads) or 2 (batch, heads)
-            batch = x.stride(0) if lead == 2 and x.shape[0] > 1 else 0
-            head = x.stride(lead - 1) if x.shape[lead - 1] > 1 else 0
-            return batch, head, x.stride(lead)
-
-        return (full_num, full_idx, part_num, part_idx), (*strides(full_num, 1), *strides(full_idx, 2))
+        return (full_num, full_idx, part_num, part_idx), (*_strides(full_num, 1), *_strides(full_idx, 2))
 
     def constexprs(self, cfg: KernelConfig, **extra) -> dict:
         """The constexprs and launch options of a launch with ``cfg``: its tiles, warps and stages,
@@ -135,3 +133,12 @@ class LaunchPlan:
             DOT_PRECISION=self.dot_precision, WIDEN_DOTS=interpreting(), EVEN_LENGTHS=even,
             MASK_MOD=self.mask_mod, SCORE_MOD=self.score_mod,
         )
+
+
+def _strides(x: torch.Tensor, dims: int) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a table with ``dims`` trailing dims (1 for counts, 2 for
+    indices); 0 where the layout is shared."""
+    lead = x.dim() - dims  # 1 (heads) or 2 (batch, heads)
+    batch = x.stride(0) if lead == 2 and x.shape[0] > 1 else 0
+    head = x.stride(lead - 1) if x.shape[lead - 1] > 1 else 0
+    return batch, head, x.stride(lead)
