@@ -50,7 +50,9 @@ class LaunchPlan:
         self.dot_precision = "tf32" if q.dtype is torch.float32 and not interpreting() else "ieee"
         self._placeholder = torch.empty(1, dtype=torch.int32, device=q.device)  # for absent tensors
         self._mods(mask, score_graph)
-        persistent = forward_persistent.mode(q, k, mask, has_key_lengths, self.padded_dim)
+        # loads of captured tensors at per-score addresses fail Triton 3.6's warp-specialisation pass
+        persistent = "" if self._loads_per_score(mask, score_graph) else forward_persistent.mode(
+            q, k, mask, has_key_lengths, self.padded_dim)
         mods = "+".join(name for name, fn in (("mask", self.mask_mod), ("score", self.score_mod)) if fn is not None)
         self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods)
         tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
@@ -74,6 +76,12 @@ class LaunchPlan:
         self.score_mod = helpers.score_mod if helpers else None
         self.score_mod_grads = helpers.score_mod_grads if helpers else None
         self._mods_tables: dict[tuple, torch.Tensor] = {}
+
+    @staticmethod
+    def _loads_per_score(mask: BlockMask, score_graph: Graph | None) -> bool:
+        """Whether a generated helper loads a captured tensor at an address that varies per score."""
+        graphs = [g for g in (mask.mask_graph if mask.needs_mask_mod else None, score_graph) if g is not None]
+        return any(n.op == "load" and n.deps & {"q_idx", "kv_idx", "score"} for g in graphs for n in g.nodes)
 
     def captures(self, score_graph: Graph | None) -> list[torch.Tensor]:
         """The tensors the generated helpers read, in MODS order: the mask_mod's, then the score
