@@ -88,19 +88,32 @@ def _oracle(q, k, v, mask, do, key_lengths, scale, dlse, upcast: bool, score_mod
     """The reference in fp64 (``upcast``), or in the inputs' precision."""
     block_mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    tf32 = q.dtype is torch.float32 and q.is_cuda and not upcast
     if upcast:
         q, k, v, do = (x.double() for x in (q, k, v, do))
-    tf32 = (torch.backends.cuda.matmul, "allow_tf32", q.dtype is torch.float32 and q.is_cuda)
-    with _flag(*tf32):  # the kernels' fp32 dots are TF32 on a GPU: so is the baseline's
+    elif tf32:  # the kernels' fp32 dots are TF32 on a GPU; cuBLAS may not be (small K): cut the inputs
+        q, k, v, do = (_round_to_tf32(x) for x in (q, k, v, do))
+    with _tf32_matmuls(tf32):
         return _grads(lambda q, k, v: reference_attention(q, k, v, block_mask, key_lengths, scale, score_mod,
                                                           upcast=upcast),
                       q, k, v, do, dlse, _trained_captures(score_mod))
 
 
+def _round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` cut to TF32's 10-bit mantissa, as tensor cores read fp32 operands (truncated)."""
+    bits = x.detach().contiguous().view(torch.int32)
+    return (bits & ~0x1FFF).view(torch.float32).view_as(x)
+
+
 @contextlib.contextmanager
-def _flag(owner, name: str, value: bool):
+def _tf32_matmuls(on: bool):
+    """fp32 matmuls in TF32 while ``on`` (torch's ``fp32_precision`` setting where it has one: from
+    torch 2.9 on, ``allow_tf32`` no longer switches cuBLAS)."""
+    owner = torch.backends.cuda.matmul
+    name, value = ("fp32_precision", "tf32") if hasattr(owner, "fp32_precision") else ("allow_tf32", True)
     before = getattr(owner, name)
-    setattr(owner, name, value or before)
+    if on:
+        setattr(owner, name, value)
     try:
         yield
     finally:
@@ -146,7 +159,10 @@ def check_outputs(got: Outputs, q, k, v, mask, do, key_lengths=None, *, scale=No
         if name.startswith("dcapture"):  # in the captured tensor's dtype: compared in the inputs' terms
             actual, expected, baseline = actual.to(dtype), expected.to(torch.float64), baseline.to(dtype)
         assert actual.dtype == (torch.float32 if name == "lse" else dtype), f"{name}: dtype {actual.dtype}"
-        assert_close(actual, expected, TF32_REL_TOL if tf32 else REL_TOL[dtype], name)
+        # A reduction the plain implementation itself gets this far off (a captured tensor's gradient
+        # summed over every score in TF32) is held to a multiple of its error, as elements are below.
+        tol = max(TF32_REL_TOL if tf32 else REL_TOL[dtype], FACTOR[dtype] * relative_error(baseline, expected))
+        assert_close(actual, expected, tol, name)
         err = max_error(actual, expected)
         if name == "lse" and not tf32:
             bound = (LSE_TOL * (1 + expected.abs())).where(torch.isfinite(expected), 0)

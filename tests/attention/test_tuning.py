@@ -1,4 +1,5 @@
-"""The tuned-config table of the Triton kernels: tune once per key, cache on disk, bucket by work.
+"""The Triton kernels' configs: tuned on request once per key and cached on disk, else looked up in
+the shipped table by nearest key, else the first candidate.
 
 The interpreter never tunes, so these tests switch it off in ``tuning`` and replace the timing
 (``_tune``) with a recorder that picks the *last* candidate, which makes a tuned choice visible.
@@ -19,8 +20,9 @@ from sparseflash.masks import make
 def tunings(monkeypatch, tmp_path):
     """The candidate lists timed so far; a fresh in-memory table and disk cache."""
     monkeypatch.setenv("SPARSEFLASH_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("SPARSEFLASH_TUNE", raising=False)
+    monkeypatch.setenv("SPARSEFLASH_TUNE", "1")
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_table", lambda: {})
     tuning.forget()
     timed = []
 
@@ -74,11 +76,73 @@ def test_same_bucket_reuses_a_new_length_retunes_a_new_bucket(tunings):
     assert len(tunings) == 2
 
 
-def test_tuning_off_takes_the_first_candidate(tunings, monkeypatch):
-    monkeypatch.setenv("SPARSEFLASH_TUNE", "0")
+@pytest.mark.parametrize("env", ["unset", "0"])
+def test_without_a_request_nothing_is_tuned_and_the_first_candidate_runs(tunings, monkeypatch, env):
+    """No table entry for this GPU: the first candidate, with no timing and nothing on disk."""
+    if env == "unset":
+        monkeypatch.delenv("SPARSEFLASH_TUNE")
+    else:
+        monkeypatch.setenv("SPARSEFLASH_TUNE", env)
     key = _key(1024, "causal")
     assert tuning.run_tuned("forward", key, lambda cfg: None) == tuning.candidates("forward", key)[0]
+    assert tunings == [] and not (tuning._cache_path()).exists()
+
+
+def test_tuned_block_tunes_new_keys(tunings, monkeypatch):
+    monkeypatch.delenv("SPARSEFLASH_TUNE")
+    key = _key(1024)
+    with tuning.tuned():
+        assert tuning.run_tuned("forward", key, lambda cfg: None) == tuning.candidates("forward", key)[-1]
+    assert len(tunings) == 1
+    tuning.run_tuned("forward", _key(16384), lambda cfg: None)  # outside the block: not tuned
+    assert len(tunings) == 1
+
+
+def _table_of(*entries):
+    """A shipped table holding ``(kernel, key, config)`` entries."""
+    table = {}
+    for kernel, key, cfg in entries:
+        table.setdefault(key.device, []).append((kernel, key, cfg))
+    return lambda: table
+
+
+def test_the_table_gives_the_nearest_keys_config(tunings, monkeypatch):
+    """Without a request to tune, the table's entry for the nearest key of the same kernel: the same
+    bucket of work before another, the same mask kind before another; another GPU's never."""
+    monkeypatch.delenv("SPARSEFLASH_TUNE")
+    short, long_ = _key(1024), _key(16384)
+    first, second, third = tuning.candidates("forward", short)[1:4]
+    on_another_gpu = tuning.ConfigKey(**{**vars(long_), "device": "another GPU"})
+    monkeypatch.setattr(tuning, "_table", _table_of(("forward", short, first), ("forward", long_, second),
+                                                    ("dq", long_, third), ("forward", on_another_gpu, third)))
+    assert tuning.run_tuned("forward", _key(16000), lambda cfg: None) == second  # long_'s bucket
+    assert tuning.run_tuned("forward", _key(1100), lambda cfg: None) == first
+    causal_long = _key(16384, "causal")
+    assert tuning.key_distance(causal_long, long_) < tuning.key_distance(causal_long, short)
+    assert tuning.run_tuned("forward", causal_long, lambda cfg: None) == second
     assert tunings == []
+
+
+def test_a_table_entry_that_is_no_candidate_is_passed_over(tunings, monkeypatch):
+    """A config the key's candidates lack (an older table's, or another head dim's) is not launched."""
+    monkeypatch.delenv("SPARSEFLASH_TUNE")
+    key = _key(1024)
+    stranger = tuning.KernelConfig(16, 16, 1, 1)
+    other_dim = _key(1024, head_dim=128)
+    monkeypatch.setattr(tuning, "_table", _table_of(("forward", key, stranger),
+                                                    ("forward", other_dim, tuning.candidates("forward", key)[2])))
+    assert tuning.run_tuned("forward", key, lambda cfg: None) == tuning.candidates("forward", key)[0]
+
+
+def test_the_shipped_table_reads_and_its_configs_are_candidates(monkeypatch):
+    """config_table.json parses, and each entry is a candidate of its own key (a table written for
+    other candidate lists would silently fall back to the first candidate)."""
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    tuning._table.cache_clear()
+    entries = [entry for gpu in tuning._table().values() for entry in gpu]
+    assert entries, "the shipped table is empty"
+    for kernel, key, cfg in entries:
+        assert cfg in tuning.candidates(kernel, key), (kernel, str(key), str(cfg))
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256])

@@ -1,27 +1,35 @@
-"""Tile sizes, warps and stages per (kernel, head_dim, dtype, mask kind, GPU): tuned and cached.
+"""Tile sizes, warps and stages per (kernel, head_dim, dtype, mask kind, GPU): looked up, or tuned on request.
 
-On first use of a key, each candidate config is timed on the real inputs (``_tune``: medians of
-``triton.testing.do_bench`` calls, the candidates taking turns) and the fastest kept, in memory and in
-``$SPARSEFLASH_CACHE_DIR/tuning.json`` (default ``~/.cache/sparseflash``), keyed by GPU name and
-Triton version. The key also holds two log2 buckets of the problem: the loop's trip count (mask
-blocks per query row) and the grid's size (batch x heads x query tiles), since short loops and
-small grids favour other tiles than the long, full ones. Sequence lengths themselves are not
-specialised on: a new length compiles nothing new, except the first length that the tiles do not
-divide (or, after one, do), for DENSE and CAUSAL: the EVEN_LENGTHS variant (forward.py); a new
-bucket only re-times compiled configs. Under the interpreter (``TRITON_INTERPRET=1``) no tuning
-runs: small tiles keep the CPU tests fast and exercise several tiles per mask block.
-Set ``SPARSEFLASH_TUNE=0`` to skip tuning and take each list's first candidate.
+A kernel launches with the first config found of:
+  1. this process's choice for the key (pinned, tuned, or found before);
+  2. the disk cache ``$SPARSEFLASH_CACHE_DIR/tuning.json`` (default ``~/.cache/sparseflash``), where
+     tuning stores its choices, keyed by GPU name and Triton version;
+  3. tuning, only inside ``with tuned():`` or with ``SPARSEFLASH_TUNE=1``: each candidate config is
+     timed on the real inputs (``_tune``: medians of interleaved calls) and the fastest kept, in
+     memory and on disk. It costs 10-40 s per new key on an H100, which is why it is opt-in;
+  4. the shipped table ``config_table.json``: configs tuned on a GPU of the same name, by
+     ``scripts/build_config_table.py``, taken from the nearest key (same kernel, head dim and
+     persistent mode; then the fewest differences in mask kind, dtype, functions, block and the two
+     work buckets);
+  5. the first candidate of the kernel's list (a GPU the table does not know).
+The key also holds two log2 buckets of the problem: the loop's trip count (mask blocks per query
+row) and the grid's size (batch x heads x query tiles), since short loops and small grids favour
+other tiles than the long, full ones. Sequence lengths themselves are not specialised on: a new
+length compiles nothing new, except the first length that the tiles do not divide (or, after one,
+do), for DENSE and CAUSAL: the EVEN_LENGTHS variant (forward.py). Under the interpreter
+(``TRITON_INTERPRET=1``) one small tile is the only candidate: it keeps the CPU tests fast and
+exercises several tiles per mask block.
 
-The public API: ``run_tuned`` (the kernels' launchers call it), ``choice`` (the config a key would
-launch with, without launching), ``pin`` (fix a key's config), ``forget`` (drop this process's
-choices) and ``recording`` (which configs the kernels launched inside a block, with a way to launch
-each again with another config: the benchmark and ``scripts/kernel_probe.py`` use it).
+The public API: ``run_tuned`` (the kernels' launchers call it), ``tuned`` (tune new keys inside a
+block), ``choice`` (the config a key would launch with, without launching), ``pin`` (fix a key's
+config), ``forget`` (drop this process's choices) and ``recording`` (which configs the kernels
+launched inside a block, with a way to launch each again with another config: the benchmark,
+``scripts/build_config_table.py`` and ``scripts/kernel_probe.py`` use it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import json
 import math
@@ -196,9 +204,9 @@ _chosen: dict[tuple[str, ConfigKey], KernelConfig] = {}
 
 
 def choice(kernel: str, key: ConfigKey) -> Optional[KernelConfig]:
-    """The config ``kernel`` launches with for ``key``: pinned or tuned in this process, or found in
-    the disk cache; None when it would be tuned (or, with ``SPARSEFLASH_TUNE=0`` or a single
-    candidate, take the first candidate) on its next launch."""
+    """The config ``kernel`` launches with for ``key``: pinned, tuned or looked up in this process, or
+    found in the disk cache; None when its next launch decides (tuning, the shipped table or the
+    first candidate)."""
     cfg = _chosen.get((kernel, key))  # a tuple key: no string is built on the hot path
     if cfg is None:
         stored = _load_disk_cache().get(f"{kernel}|{key}")
@@ -217,6 +225,55 @@ def forget() -> None:
     _chosen.clear()
 
 
+# ---------------------------------------------------------------------------- the shipped table
+TABLE_PATH = Path(__file__).with_name("config_table.json")
+# What a difference between two keys costs when the nearest table entry is sought: the mask kind
+# and the functions change the loop most, then the dtype, the block shape and causal; each log2 step
+# of the two work buckets counts 1.
+MISMATCH_COST = {"kind": 4, "mods": 4, "dtype": 3, "sparse_block": 2, "causal": 2}
+SAME_REQUIRED = ("head_dim", "persistent")
+
+
+@functools.lru_cache(maxsize=1)
+def _table() -> dict[str, list[tuple[str, ConfigKey, KernelConfig]]]:
+    """The shipped table by GPU name: ``(kernel, key, config)`` entries."""
+    try:
+        data = json.loads(TABLE_PATH.read_text())
+    except (OSError, ValueError):
+        return {}
+    table: dict[str, list] = {}
+    for entry in data.get("entries", []):
+        key = ConfigKey(**{**entry["key"], "sparse_block": tuple(entry["key"]["sparse_block"])})
+        table.setdefault(key.device, []).append((entry["kernel"], key, KernelConfig(**entry["config"])))
+    return table
+
+
+def key_distance(a: ConfigKey, b: ConfigKey) -> float:
+    """How far apart two keys of one kernel are (inf: never substitute one for the other)."""
+    if a.device != b.device or any(getattr(a, f) != getattr(b, f) for f in SAME_REQUIRED):
+        return math.inf
+    cost = sum(weight for field, weight in MISMATCH_COST.items() if getattr(a, field) != getattr(b, field))
+    return cost + abs(a.row_work - b.row_work) + abs(a.parallelism - b.parallelism)
+
+
+def from_table(kernel: str, key: ConfigKey, options: list[KernelConfig]) -> Optional[KernelConfig]:
+    """The config of the table's nearest key to ``key`` that is one of ``options`` (fitted to the
+    key's blocks), or None."""
+    best, best_cost = None, math.inf
+    for entry_kernel, entry_key, cfg in _table().get(key.device, ()):
+        cost = key_distance(key, entry_key) if entry_kernel == kernel else math.inf
+        fitted = fit(kernel, cfg, key)
+        if cost < best_cost and fitted in options:
+            best, best_cost = fitted, cost
+    return best
+
+
+def table_entries(launched: list["Launched"]) -> list[dict]:
+    """``launched`` as entries of the shipped table (the last config of each kernel and key)."""
+    latest = {(entry.kernel, entry.key): entry.config for entry in launched}
+    return [{"kernel": kernel, "key": asdict(key), "config": asdict(cfg)} for (kernel, key), cfg in latest.items()]
+
+
 @dataclass(frozen=True)
 class Launched:
     """One kernel launch seen by ``recording``: the kernel, its key and config, and ``relaunch``,
@@ -228,18 +285,23 @@ class Launched:
     relaunch: Callable[[KernelConfig], object]
 
 
-_recorders: contextvars.ContextVar[tuple[list[Launched], ...]] = contextvars.ContextVar("recorders", default=())
+# The open ``recording`` blocks and ``tuned`` blocks of this process. Process-wide, not context
+# variables: the backward kernels launch from autograd's device threads, which see no context of
+# the thread that opened the block.
+_recorders: list[list[Launched]] = []
+_tuning_blocks: list[None] = []
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[Launched]]:
-    """``with recording() as launched:`` collects every tuned kernel launch inside the block, in order."""
+    """``with recording() as launched:`` collects every tuned kernel launch made while the block is
+    open (autograd's backward threads included), in order."""
     launched: list[Launched] = []
-    token = _recorders.set(_recorders.get() + (launched,))
+    _recorders.append(launched)
     try:
         yield launched
     finally:
-        _recorders.reset(token)
+        _recorders.remove(launched)
 
 
 def summary(launched: list[Launched]) -> str:
@@ -248,19 +310,35 @@ def summary(launched: list[Launched]) -> str:
     return " ".join(f"{kernel}={cfg}" for kernel, cfg in latest.items())
 
 
+@contextlib.contextmanager
+def tuned() -> Iterator[None]:
+    """``with tuned():`` kernels launched while the block is open tune each key they meet for the
+    first time (on this GPU: not found in this process or the disk cache) and store the choice on disk."""
+    _tuning_blocks.append(None)
+    try:
+        yield
+    finally:
+        _tuning_blocks.pop()
+
+
+def tuning_requested() -> bool:
+    """Inside ``tuned()``, or ``SPARSEFLASH_TUNE=1`` in the environment."""
+    return bool(_tuning_blocks) or os.environ.get("SPARSEFLASH_TUNE", "0") == "1"
+
+
 def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], Optional[KernelConfig]]) -> KernelConfig:
-    """Launch ``kernel`` with its config for ``key`` (tuning it on first use) and return the config it
-    ran with: ``launch(cfg)`` returns another config where it had to fall back, else None."""
+    """Launch ``kernel`` with its config for ``key`` (the module docstring says which) and return the
+    config it ran with: ``launch(cfg)`` returns another config where it had to fall back, else None."""
     cfg = choice(kernel, key)
     if cfg is None:
         options = candidates(kernel, key)
-        if len(options) == 1 or os.environ.get("SPARSEFLASH_TUNE", "1") == "0":
-            cfg = options[0]
-        else:
+        if len(options) > 1 and tuning_requested():
             cfg = _tune(launch, options)
             _save_choice(f"{kernel}|{key}", cfg)
+        else:
+            cfg = from_table(kernel, key, options) or options[0]
         _chosen[kernel, key] = cfg
     used = launch(cfg) or cfg
-    for launched in _recorders.get():
+    for launched in list(_recorders):
         launched.append(Launched(kernel, key, used, launch))
     return used

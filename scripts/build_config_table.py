@@ -1,0 +1,96 @@
+"""Tune the Triton kernels on this GPU over a sweep of shapes and write the shipped config table.
+
+Kernels launch with configs looked up in ``sparseflash/attention/triton/config_table.json`` unless
+asked to tune (``sparseflash.attention.triton.tuning``): this script fills that table for the GPU
+it runs on. It runs forward and backward once per shape inside ``tuning.tuned()`` (10-40 s per new
+key; keys already in the disk cache are not tuned again, so an interrupted run resumes), records the
+config every kernel launched with, and merges those entries into the table after each shape:
+entries of other GPUs and keys stay, entries of the same key are replaced.
+
+The shapes are the benchmark's: bf16, 16k tokens (batch = tokens // S), hidden 2048, 128 x 128
+mask blocks; dense, causal, butterfly, a 2-block local window, random 25 %, a causal token window
+(a mask_mod) and causal with ALiBi (a score_mod), at every ``--seq-lens`` and ``--head-dims``:
+  python scripts/build_config_table.py
+  python scripts/build_config_table.py --head-dims 64 --out /tmp/table.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import sparseflash
+from sparseflash import masks
+from sparseflash.attention.score_mods import make_score_mod
+from sparseflash.attention.triton import tuning
+
+PATTERNS = {  # label: (pattern name, make's keyword arguments, score_mod name)
+    "dense": ("dense", {}, None),
+    "causal": ("causal", {}, None),
+    "butterfly": ("butterfly", {}, None),
+    "local": ("local", {"window": 2}, None),
+    "random": ("random", {"density": 0.25}, None),
+    "sliding window": ("sliding_window", {"window": 1024, "causal": True}, None),
+    "causal + alibi": ("causal", {}, "alibi"),
+}
+
+
+def run_shape(seq_len: int, head_dim: int, label: str, tokens: int, hidden: int) -> list[tuning.Launched]:
+    """Forward and backward once on one shape; the launches they made."""
+    name, params, score_mod_name = PATTERNS[label]
+    batch, heads = max(1, tokens // seq_len), hidden // head_dim
+    mask = masks.make(name, seq_len, block=128, device="cuda", **params)
+    score_mod = make_score_mod(score_mod_name, heads).to("cuda") if score_mod_name else None  # ALiBi: a module
+    q, k, v = (torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    with tuning.tuned(), tuning.recording() as launched:
+        o = sparseflash.attention(q, k, v, mask, score_mod=score_mod, backend="triton")
+        torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+    return launched
+
+
+def merge(path: Path, entries: list[dict], meta: dict) -> int:
+    """Merge ``entries`` into the table at ``path`` (same kernel and key: replaced); its size after."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {"entries": []}
+    fresh = {(e["kernel"], json.dumps(e["key"], sort_keys=True)) for e in entries}
+    kept = [e for e in table["entries"] if (e["kernel"], json.dumps(e["key"], sort_keys=True)) not in fresh]
+    table["entries"] = kept + entries
+    table.setdefault("built_on", {})[meta["gpu"]] = meta
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return len(table["entries"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=list(PATTERNS))
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--out", type=Path, default=tuning.TABLE_PATH)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("error: the table holds configs tuned on a GPU; this machine has no CUDA device")
+
+    import triton
+
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%d")}
+    for head_dim in args.head_dims:
+        for seq_len in args.seq_lens:
+            for label in args.patterns:
+                start = time.perf_counter()
+                launched = run_shape(seq_len, head_dim, label, args.tokens, args.hidden)
+                size = merge(args.out, tuning.table_entries(launched), meta)  # after each shape: nothing lost
+                print(f"hd{head_dim} S={seq_len} {label}: {time.perf_counter() - start:.1f} s "
+                      f"({tuning.summary(launched)}); {size} entries in {args.out}", flush=True)
+
+if __name__ == "__main__":
+    main()
