@@ -9,7 +9,8 @@ entries of other GPUs and keys stay, entries of the same key are replaced.
 
 The shapes are the benchmark's: bf16, 16k tokens (batch = tokens // S), hidden 2048, 128 x 128
 mask blocks; dense, causal, butterfly, a 2-block local window, random 25 %, a causal token window
-(a mask_mod) and causal with ALiBi (a score_mod), at every ``--seq-lens`` and ``--head-dims``:
+and causal written as mask_mods, and causal with ALiBi and with tanh soft-capping (score_mods: the
+cheap and the costly kind), at every ``--seq-lens`` and ``--head-dims``:
   python scripts/build_config_table.py
   python scripts/build_config_table.py --head-dims 64 --out /tmp/table.json
 """
@@ -35,7 +36,9 @@ PATTERNS = {  # label: (pattern name, make's keyword arguments, score_mod name)
     "local": ("local", {"window": 2}, None),
     "random": ("random", {"density": 0.25}, None),
     "sliding window": ("sliding_window", {"window": 1024, "causal": True}, None),
+    "causal as mask_mod": ("prefix_lm", {"prefix": 0}, None),
     "causal + alibi": ("causal", {}, "alibi"),
+    "causal + softcap": ("causal", {}, "softcap"),
 }
 
 
@@ -44,7 +47,9 @@ def run_shape(seq_len: int, head_dim: int, label: str, tokens: int, hidden: int)
     name, params, score_mod_name = PATTERNS[label]
     batch, heads = max(1, tokens // seq_len), hidden // head_dim
     mask = masks.make(name, seq_len, block=128, device="cuda", **params)
-    score_mod = make_score_mod(score_mod_name, heads).to("cuda") if score_mod_name else None  # ALiBi: a module
+    score_mod = make_score_mod(score_mod_name, heads) if score_mod_name else None
+    if isinstance(score_mod, torch.nn.Module):  # ALiBi's slopes: a buffer
+        score_mod = score_mod.to("cuda")
     q, k, v = (torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     with tuning.tuned(), tuning.recording() as launched:

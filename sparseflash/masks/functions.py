@@ -64,6 +64,9 @@ class Node:
     deps: frozenset = frozenset()
 
 
+SPECIAL_FUNCTIONS = ("exp", "log", "tanh", "sqrt")  # evaluated by the GPU's special-function units
+
+
 @dataclass
 class Graph:
     """A traced function: its nodes in order of evaluation, its output and its captured tensors
@@ -73,6 +76,13 @@ class Graph:
     nodes: list[Node] = field(default_factory=list)
     output: Node | None = None
     captures: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def uses_special_functions(self) -> bool:
+        """Whether it evaluates exp, log, tanh or sqrt: on a GPU these run on the special-function
+        units that the softmax's exp2 also needs, which changes the best tiles (the kernels' configs
+        are keyed on it)."""
+        return any(n.op in SPECIAL_FUNCTIONS for n in self.nodes)
 
     def key(self) -> str:
         """The graph's structure, constants and captures' dtypes, ranks and whether they require grad:
@@ -197,7 +207,7 @@ class _Tracer:
 
     def unary(self, op: str, x) -> Sym:
         a = self.value(x)
-        if op in ("exp", "log", "tanh", "sqrt"):
+        if op in SPECIAL_FUNCTIONS:
             kind = "float"
         elif op == "not":
             kind = a.kind

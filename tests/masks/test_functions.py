@@ -223,3 +223,12 @@ def test_element_mask_picture(tmp_path):
     mask.plot(str(path))
     assert path.stat().st_size > 1000
     assert "mask_mod=sliding_window_mod" in repr(mask)
+
+
+@pytest.mark.parametrize("name, special", [("alibi", False), ("softcap", True)])
+def test_special_functions_are_seen(name, special):
+    """A score function using tanh (softcap) is told from one of arithmetic only (ALiBi): the kernels'
+    configs are keyed on it."""
+    from sparseflash.attention.score_mods import make_score_mod
+
+    assert trace(make_score_mod(name, 4), "score_mod").uses_special_functions is special

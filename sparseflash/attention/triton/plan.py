@@ -53,7 +53,8 @@ class LaunchPlan:
         # loads of captured tensors at per-score addresses fail Triton 3.6's warp-specialisation pass
         persistent = "" if self._loads_per_score(mask, score_graph) else forward_persistent.mode(
             q, k, mask, has_key_lengths, self.padded_dim)
-        mods = "+".join(name for name, fn in (("mask", self.mask_mod), ("score", self.score_mod)) if fn is not None)
+        score = "score-special" if score_graph is not None and score_graph.uses_special_functions else "score"
+        mods = "+".join(name for name, fn in (("mask", self.mask_mod), (score, self.score_mod)) if fn is not None)
         self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods)
         tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
         self._tables = {side: self._tables_of(tables, side) for side in ("kv", "q")}
