@@ -1,6 +1,6 @@
 # Quick start: `make run` (the main job) and `make test` (the suite). Both create .venv first,
-# installing torch==2.13.0 when no torch is importable: pinned, because that is the CPU wheel this
-# machine has on disk, where an unpinned torch would pull GBs of CUDA packages. The venv sees no
+# installing torch==2.13.0 when no torch is importable: pinned to a version with a CPU wheel,
+# because an unpinned torch would pull GBs of CUDA packages onto a machine without a GPU. The venv sees no
 # system site-packages: what the project needs is in pyproject.toml, and other packages' pytest
 # plugins (and their warnings) stay out of the test run.
 PYTHON ?= python3
