@@ -201,21 +201,3 @@ def test_gpu_persistent_forward_with_functions(kind, dim, monkeypatch):
     with tuning.recording() as launched:
         check_backend("triton", q, k, v, mask, do, score_mod=score_mod)
     assert launched[0].config.persistent is (kind != "document")  # per-score loads of its ids: the other kernel
-
-
-def test_index_differences_are_converted_before_they_are_broadcast():
-    """ALiBi's ``slope * (kv_idx - q_idx)``: the generated helper converts the key row and the query
-    column to fp32 and subtracts in fp32, instead of converting every score's integer difference; a
-    difference that only indexes stays integer."""
-    from sparseflash.attention.triton import codegen
-
-    slopes = torch.rand(4)
-    table = torch.rand(4, 64)
-
-    def biased(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx) + table[h, torch.clamp(kv_idx - q_idx, -32, 31) + 32]
-
-    source = codegen._score_source(trace(biased, "score_mod"))
-    floats = [line.strip() for line in source.splitlines() if line.strip().startswith("f")]
-    assert floats[:3] == ["f4 = (kv_idx * 1.0)", "f3 = (q_idx * 1.0)", "f6 = (f4 - f3)"], source
-    assert "(v5 * f6)" in source and "tl.minimum(" in source and "f7" not in source, source

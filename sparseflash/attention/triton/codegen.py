@@ -73,59 +73,18 @@ def _capture(MODS, SLOT: tl.constexpr, FIELD: tl.constexpr, DTYPE: tl.constexpr)
 '''.replace("{fields}", str(MODS_FIELDS))
 
 
-AFFINE_OPS = ("arg", "const", "add", "sub", "neg")
-
-
 class _Emitter:
     """Python lines computing a graph's nodes (``v<i>``) and, for ``derivative`` passes, the
-    derivative of each node (``d<i>``) with respect to one seed node.
-
-    An integer sum or difference of the index arguments that float arithmetic uses (ALiBi's
-    ``kv_idx - q_idx``) is also computed in fp32 from the arguments converted first (``f<i>``): the
-    conversions then happen on the query column and the key row, not on every score of the tile,
-    and int-to-float conversion runs at a quarter of the float rate. Exact while the values stay
-    below 2^24 in magnitude."""
+    derivative of each node (``d<i>``) with respect to one seed node."""
 
     def __init__(self, graph: Graph, indent: str = "    "):
         self.graph, self.indent, self.lines = graph, indent, []
         self.index = {id(n): i for i, n in enumerate(graph.nodes)}
-        self.affine: set[int] = set()
-        for i, node in enumerate(graph.nodes):
-            if node.kind == "int" and node.op in AFFINE_OPS and all(
-                    self.index[id(a)] in self.affine for a in node.args if isinstance(a, Node)):
-                self.affine.add(i)
-        self.floats: set[int] = set()
 
     def ref(self, x) -> str:
         if isinstance(x, Node):
             return f"v{self.index[id(x)]}"
         return repr(x)
-
-    def float_ref(self, x) -> str:
-        """``x`` where a float operation uses it: the fp32 twin of an affine integer node."""
-        i = self.index.get(id(x)) if isinstance(x, Node) else None
-        if i is None or i not in self.affine:
-            return self.ref(x)
-        if i not in self.floats:
-            op, args = x.op, x.args
-            if op == "arg":
-                expr = f"({args[0]} * 1.0)"
-            elif op == "const":
-                expr = repr(float(args[0]))
-            elif op == "neg":
-                expr = f"(-{self.float_ref(args[0])})"
-            else:
-                expr = f"({self.float_ref(args[0])} {BINARY[op]} {self.float_ref(args[1])})"
-            self.lines.append(f"{self.indent}f{i} = {expr}")
-            self.floats.add(i)
-        return f"f{i}"
-
-    def operands(self, node: Node) -> list[str]:
-        """The references a node's code uses: float twins for the operands of float arithmetic
-        (never a load's indices, nor a where's condition, which stays boolean either way)."""
-        if node.kind != "float" or node.op == "load":
-            return [self.ref(x) for x in node.args]
-        return [self.float_ref(x) for x in node.args]
 
     def values(self) -> None:
         for i, node in enumerate(self.graph.nodes):
@@ -133,7 +92,7 @@ class _Emitter:
 
     def _value(self, node: Node) -> str:
         op, args = node.op, node.args
-        a = self.operands(node)
+        a = [self.ref(x) for x in args]
         if op == "arg":
             return args[0]
         if op == "const":
@@ -184,7 +143,7 @@ class _Emitter:
     def _derivative(self, node: Node, d: dict[int, str]) -> str | None:
         op, args = node.op, node.args
         da = [d.get(self.index[id(x)]) if isinstance(x, Node) else None for x in args]
-        a = self.operands(node)
+        a = [self.ref(x) for x in args]
         v = f"v{self.index[id(node)]}"
         if not any(da):
             return None
