@@ -91,7 +91,7 @@ def test_pattern_params_from_the_command_line():
 def test_logger_and_launcher_groups():
     cfg = compose_train(["logger=wandb"])
     assert cfg.logger.wandb.mode == "offline"
-    cfg = compose_train(["hydra/launcher=submitit_slurm"], hydra_cfg=True)
+    cfg = compose_train(["hydra/launcher=slurm"], hydra_cfg=True)
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
 
 

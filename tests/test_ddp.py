@@ -1,10 +1,14 @@
 """DDP on CPU: two gloo processes train as one process does on the same global batch, resume
-exactly across both ranks, and the torchrun entry point logs once."""
+exactly across both ranks, the torchrun entry point logs once, and a rank killed mid-run fails the
+job cleanly, which resume=true then finishes as if nothing had happened."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,16 +71,77 @@ def test_two_processes_train_as_one_and_resume_exactly(tmp_path):
         assert torch.equal(a["model"][k], b["model"][k]), k
 
 
-def test_torchrun_entry_point_logs_once(tmp_path):
-    run_dir = tmp_path / "ddp"
+def _torchrun(tmp_path, run_dir, *overrides) -> subprocess.Popen:
+    """``torchrun --nproc_per_node=2 experiments/train.py`` on the tiny ListOps, started."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "experiments" / "train.py"), *TINY, *SMALL_LISTOPS, f"data_root={tmp_path / 'data'}",
-           f"hydra.run.dir={run_dir}", "trainer.max_steps=4", "trainer.eval_every=2", "trainer.batch_size=8",
-           "device=cpu"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+           f"hydra.run.dir={run_dir}", "device=cpu", *overrides]
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> subprocess.CompletedProcess:
+    stdout, stderr = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def test_torchrun_entry_point_logs_once(tmp_path):
+    run_dir = tmp_path / "ddp"
+    proc = _finish(_torchrun(tmp_path, run_dir, "trainer.max_steps=4", "trainer.eval_every=2", "trainer.batch_size=8"))
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-1000:]
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records if "step_time" in r] == [1, 2, 3, 4]  # logged once (rank 0 only)
     assert "test_acc" in records[-1]
     assert proc.stdout.count("done in") == 1
+
+
+def _last_step(run_dir) -> int:
+    try:
+        return max((r["step"] for r in _steps(run_dir)), default=0)
+    except (OSError, ValueError):  # not written yet, or a line half written
+        return 0
+
+
+def _workers(agent_pid: int) -> dict[int, int]:
+    """The torchrun agent's worker processes, by LOCAL_RANK -> pid (Linux /proc)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent_pid:
+                env = dict(line.split("=", 1) for line in (proc / "environ").read_text().split("\0") if "=" in line)
+                if "LOCAL_RANK" in env:
+                    found[int(env["LOCAL_RANK"])] = int(proc.name)
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended while being read
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the workers through Linux's /proc")
+def test_a_killed_rank_fails_the_job_and_resume_finishes_it_exactly(tmp_path):
+    """SIGKILL rank 1 once a checkpoint exists: torchrun exits non-zero within seconds and no worker
+    is left; resume=true then completes the run with the metrics of an uninterrupted one."""
+    steps = ["trainer.max_steps=300", "trainer.checkpoint_every=20", "trainer.eval_every=100", "trainer.batch_size=8"]
+    straight = _finish(_torchrun(tmp_path, tmp_path / "straight", *steps))
+    assert straight.returncode == 0, straight.stderr[-4000:]
+
+    cut_dir = tmp_path / "cut"
+    agent = _torchrun(tmp_path, cut_dir, *steps)
+    deadline = time.monotonic() + 180
+    # past the first checkpoint (step 20) by a few steps, so that resuming must drop logged steps
+    while not ((cut_dir / "checkpoints" / "last.pt").exists() and _last_step(cut_dir) >= 25):
+        assert agent.poll() is None, "the run ended before it was killed: give it more steps"
+        assert time.monotonic() < deadline, "no checkpoint within 180 s"
+        time.sleep(0.01)
+    workers = _workers(agent.pid)
+    os.kill(workers[1], signal.SIGKILL)
+    killed = time.monotonic()
+    failed = _finish(agent, timeout=120)
+    assert failed.returncode != 0 and time.monotonic() - killed < 60, failed.stderr[-4000:]
+    for pid in workers.values():
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
+    cut_steps = [r["step"] for r in _steps(cut_dir)]
+    assert 25 <= cut_steps[-1] < 300, f"killed at step {cut_steps[-1]}: give the run more steps"
+
+    resumed = _finish(_torchrun(tmp_path, cut_dir, *steps, "resume=true"))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert _strip(read_jsonl(cut_dir / "metrics.jsonl")) == _strip(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
