@@ -68,7 +68,8 @@ def merge(path: Path, entries: list[dict], meta: dict) -> int:
     kept = [e for e in table["entries"] if (e["kernel"], json.dumps(e["key"], sort_keys=True)) not in fresh]
     table["entries"] = kept + entries
     table.setdefault("built_on", {})[meta["gpu"]] = meta
-    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    lines = ",\n".join(json.dumps(e, sort_keys=True) for e in table["entries"])  # one entry per line
+    path.write_text(f'{{"built_on": {json.dumps(table["built_on"], sort_keys=True)},\n"entries": [\n{lines}\n]}}\n')
     return len(table["entries"])
 
 
@@ -96,6 +97,7 @@ def main() -> None:
                 size = merge(args.out, tuning.table_entries(launched), meta)  # after each shape: nothing lost
                 print(f"hd{head_dim} S={seq_len} {label}: {time.perf_counter() - start:.1f} s "
                       f"({tuning.summary(launched)}); {size} entries in {args.out}", flush=True)
+
 
 if __name__ == "__main__":
     main()
