@@ -6,7 +6,7 @@ keeps those). This script builds a sliding window and an ALiBi-like score functi
 come from ``--variant``, so a variant never run before is a new function, and times on CUDA:
 
   trace+generate   building the mask and the launch plan (no kernel yet);
-  first fwd+bwd    the first forward and backward (kernel compiles, and tuning unless SPARSEFLASH_TUNE=0);
+  first fwd+bwd    the first forward and backward (kernel compiles; tuning too with SPARSEFLASH_TUNE=1);
   steady fwd+bwd   the median of later calls.
 
 Run it twice with the same ``--variant`` to see the cost in a new process once the caches hold it:

@@ -247,7 +247,7 @@ def test_persistent_forward_candidates(mode, monkeypatch):
                          ids=["0", "auto", "1", "auto-interpreter", "1-interpreter"])
 def test_persistent_mode_follows_the_environment(choice, interpreter, want, monkeypatch):
     """SPARSEFLASH_PERSISTENT on a problem the persistent forward takes (fp16, 128-divisible lengths,
-    head_dim 128): "auto" lets the GPU's tuner choose (the interpreter does not tune), "1" forces it."""
+    head_dim 128): "auto" leaves the choice to the table or the tuner (the interpreter has neither), "1" forces it."""
     monkeypatch.setenv("SPARSEFLASH_PERSISTENT", choice)
     monkeypatch.setattr(forward_persistent, "interpreting", lambda: interpreter)
     monkeypatch.setattr(forward_persistent, "_supported", lambda device: True)
