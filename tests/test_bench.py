@@ -242,6 +242,49 @@ def _compose(overrides):
         return compose(config_name="bench", overrides=overrides)
 
 
+def test_cases_sweep_decoding_and_gqa_shapes(tmp_path):
+    """``cases``: a few queries against a longer GQA cache and an odd square length, checked against
+    the reference on whole GQA groups and counted with S_q x S_kv FLOPs."""
+    cases = [{"q_len": 3, "kv_len": 200, "head_dim": 16, "heads": 4, "kv_heads": 2, "batch": 2},
+             {"q_len": 77, "head_dim": 24}]
+    rows = run({**TINY, "cases": cases, "patterns": ["dense", "causal"], "modes": ["fwdbwd"],
+                "backends": ["sparseflash-blocked", "sdpa"], "check": {"max_heads": 1},
+                "out_dir": str(tmp_path), "plots": {"enabled": False}})
+    blocked = [r for r in rows if r["backend"] == "sparseflash-blocked"]
+    assert [(r["shape"], r["pattern"]) for r in blocked] == [("3x200 H4/2 B2", "dense"), ("3x200 H4/2 B2", "causal"),
+                                                             ("77", "dense"), ("77", "causal")]
+    assert all(r["status"] == "ok" and r["check_against"] == "reference" and r["check_err"] < 1e-4 for r in blocked)
+    decode = blocked[0]
+    assert (decode["seq_len"], decode["kv_len"], decode["heads"], decode["kv_heads"]) == (3, 200, 4, 2)
+    assert decode["flops"] == pytest.approx(4 * 2 * 4 * 3 * 200 * 16 * 3.5)
+    odd = blocked[2]
+    assert (odd["batch"], odd["heads"], odd["kv_heads"], odd["kv_len"]) == (256 // 77, 32 // 24, 32 // 24, 77)
+    table = (tmp_path / "results.md").read_text()
+    assert "| 3x200 H4/2 B2 | dense |" in table and "| 77 | causal |" in table
+    assert [r["shape"] for r in read_rows(tmp_path / "results.csv")][:2] == ["3x200 H4/2 B2"] * 2
+
+
+def test_the_gate_slices_whole_gqa_groups():
+    """The gate's slice keeps whole GQA groups, so that the sliced dK and dV are complete sums: one
+    head asked for, its group of two query heads and their one key/value head taken."""
+    from sparseflash.bench import measure
+
+    q, do = torch.randn(1, 4, 8, 16), torch.randn(1, 4, 8, 16)
+    k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    qs, ks, vs, dos = measure.slice_inputs(q, k, v, do, 1)
+    assert (qs.shape[1], ks.shape[1], vs.shape[1], dos.shape[1]) == (2, 1, 1, 2)
+
+
+@pytest.mark.parametrize("case, message", [({"head_dim": 64}, "a case is"), ({"q_len": 1, "head_dim": 64, "kvlen": 9},
+                                                                         "unknown keys"),
+                                            ({"q_len": 0, "head_dim": 64}, ">= 1"),
+                                            ({"q_len": 1, "head_dim": 64, "heads": 6, "kv_heads": 4}, "multiple")],
+                         ids=["no-q_len", "unknown-key", "zero", "bad-gqa"])
+def test_bad_cases_are_explained(case, message):
+    with pytest.raises(ValueError, match=message):
+        BenchConfig.from_cfg({"cases": [case]})
+
+
 def test_issue_override_line_composes():
     cfg = _compose(["seq_lens=[1024,4096,16384]", "patterns=[dense,causal,butterfly,local]",
                     "backends=[sparseflash,flex,sdpa]", "modes=[fwd,fwdbwd]", "head_dim=128", "dtype=bf16"])

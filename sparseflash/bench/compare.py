@@ -1,6 +1,6 @@
 """Compare two sweeps: ``python experiments/bench.py compare a/results.csv b/results.csv``.
 
-Rows are matched on (mode, head_dim, dtype, seq_len, pattern, backend); the table gives both
+Rows are matched on (mode, head_dim, dtype, shape, pattern, backend); the table gives both
 medians and ``a/b`` (> 1: b is faster), then the geometric mean of ``a/b`` per backend.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from sparseflash.bench.report import read_rows
 
-MATCH = ("mode", "head_dim", "dtype", "seq_len", "pattern_label", "backend")
+MATCH = ("mode", "head_dim", "dtype", "shape", "pattern_label", "backend")
 
 
 def compare_rows(a: list[dict], b: list[dict], names: tuple[str, str] = ("a", "b")) -> tuple[list[dict], str]:
@@ -36,7 +36,7 @@ def compare_rows(a: list[dict], b: list[dict], names: tuple[str, str] = ("a", "b
     for m in matched:
         a_cell = fmt(m["a_ms"]) if m["a_status"] == "ok" else m["a_status"]
         b_cell = fmt(m["b_ms"]) if m["b_status"] == "ok" else m["b_status"]
-        lines.append(f"| {m['mode']} | {m['head_dim']} | {m['dtype']} | {m['seq_len']} | {m['pattern_label']} | "
+        lines.append(f"| {m['mode']} | {m['head_dim']} | {m['dtype']} | {m['shape']} | {m['pattern_label']} | "
                      f"{m['backend']} | {a_cell} | {b_cell} | {fmt(m['speedup'])} |")
     summary = []
     for backend in dict.fromkeys(m["backend"] for m in matched):

@@ -167,15 +167,19 @@ def head_slice(mask: BlockMask, heads: int) -> BlockMask:
 
 
 def slice_inputs(q, k, v, do, heads: int):
-    """Batch 0 and the first ``heads`` heads, as fresh leaves that require grad."""
-    pick = lambda x: x[:1, :heads].detach().clone().requires_grad_(True)  # noqa: E731
-    return pick(q), pick(k), pick(v), do[:1, :heads].detach()
+    """Batch 0 and the first ``heads`` query heads with their key/value heads, as fresh leaves that
+    require grad. Under GQA whole groups are kept (``heads`` rounded up to a multiple of the group),
+    so that the sliced dK and dV sum every query head that reads them."""
+    group = q.shape[1] // k.shape[1]
+    kv_heads = -(-heads // group)
+    pick = lambda x, n: x[:1, :n].detach().clone().requires_grad_(True)  # noqa: E731
+    return pick(q, kv_heads * group), pick(k, kv_heads), pick(v, kv_heads), do[:1, :kv_heads * group].detach()
 
 
 def trusted_outputs(backend_fn, q, k, v, do, mask: BlockMask, heads: int) -> dict:
     """``o, dq, dk, dv`` of a trusted backend on batch 0 and the first ``heads`` heads."""
     qs, ks, vs, dos = slice_inputs(q, k, v, do, heads)
-    o = backend_fn(qs, ks, vs, head_slice(mask, heads))
+    o = backend_fn(qs, ks, vs, head_slice(mask, qs.shape[1]))
     dq, dk, dv = torch.autograd.grad(o, (qs, ks, vs), dos)
     return {"o": o.detach(), "dq": dq, "dk": dk, "dv": dv}
 
@@ -183,11 +187,10 @@ def trusted_outputs(backend_fn, q, k, v, do, mask: BlockMask, heads: int) -> dic
 def compare(o, grads, trusted: dict, tol: float) -> tuple[float, Optional[str]]:
     """Largest relative error over ``o`` (and ``dq, dk, dv``) on the trusted slice, and a message
     naming the worst tensor when it exceeds ``tol``."""
-    heads = trusted["o"].shape[1]
     pairs = [("o", o)]
     if grads is not None:
         pairs += list(zip(("dq", "dk", "dv"), grads))
-    errors = {name: relative_error(x[:1, :heads], trusted[name]) for name, x in pairs}
+    errors = {name: relative_error(x[:1, :trusted[name].shape[1]], trusted[name]) for name, x in pairs}
     worst = max(errors, key=errors.get)
     err = errors[worst]
     if not err <= tol:

@@ -80,8 +80,14 @@ def _number(text: str):
     return text
 
 
-NUMERIC = {"head_dim", "seq_len", "batch", "heads", "block", "density", "flops", "median_ms", "p20_ms",
-           "p80_ms", "repeats", "first_call_ms", "tflops", "speedup_vs_dense", "check_err", "peak_mem_mb"}
+NUMERIC = {"head_dim", "seq_len", "kv_len", "batch", "heads", "kv_heads", "block", "density", "flops", "median_ms",
+           "p20_ms", "p80_ms", "repeats", "first_call_ms", "tflops", "speedup_vs_dense", "check_err", "peak_mem_mb"}
+
+
+def _with_shape(row: dict) -> dict:
+    """Rows written before shapes had labels: a square shape, named by its length."""
+    row.setdefault("shape", str(row["seq_len"]))
+    return row
 
 
 def read_rows(path: str | os.PathLike) -> list[dict]:
@@ -91,11 +97,11 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
         path = path / "results.csv"
     if path.suffix == ".jsonl":
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [{k: (math.nan if v is None and (k in NUMERIC or k.startswith("speedup_vs_")) else v)
-                 for k, v in r.items()} for r in rows]
+        return [_with_shape({k: (math.nan if v is None and (k in NUMERIC or k.startswith("speedup_vs_")) else v)
+                             for k, v in r.items()}) for r in rows]
     with open(path, newline="", encoding="utf-8") as f:
-        return [{k: (_number(v) if k in NUMERIC or k.startswith("speedup_vs_") else v) for k, v in r.items()}
-                for r in csv.DictReader(f)]
+        return [_with_shape({k: (_number(v) if k in NUMERIC or k.startswith("speedup_vs_") else v)
+                             for k, v in r.items()}) for r in csv.DictReader(f)]
 
 
 # ---------------------------------------------------------------------------- markdown
@@ -114,7 +120,7 @@ def markdown(rows: list[dict], backends: list[str] | None = None, full: bool = F
     ``median ms (TFLOP/s, speed-up over that backend's dense)``; then the skips and failures. With
     ``full``, also every row."""
     backends = backends or list(dict.fromkeys(r["backend"] for r in rows))
-    by_key = {(group_key(r), r["seq_len"], r["pattern_label"], r["backend"]): r for r in rows}
+    by_key = {(group_key(r), r["shape"], r["pattern_label"], r["backend"]): r for r in rows}
     lines = ["cells: median ms (TFLOP/s, speed-up over the same backend's dense); "
              "skipped —, failed the correctness gate WRONG, crashed ERROR"]
     for group in dict.fromkeys(group_key(r) for r in rows):
@@ -124,12 +130,12 @@ def markdown(rows: list[dict], backends: list[str] | None = None, full: bool = F
                       f"{first['batch'] * first['seq_len']} tokens · {first.get('gpu', '')}", "",
                   "| S | pattern | density | " + " | ".join(backends) + " |",
                   "|---:|---|---:|" + "---:|" * len(backends)]
-        for seq_len in dict.fromkeys(r["seq_len"] for r in rows if group_key(r) == group):
+        for shape in dict.fromkeys(r["shape"] for r in rows if group_key(r) == group):
             for label in dict.fromkeys(r["pattern_label"] for r in rows if group_key(r) == group):
                 cells = []
                 density = math.nan
                 for b in backends:
-                    r = by_key.get((group, seq_len, label, b))
+                    r = by_key.get((group, shape, label, b))
                     if r is None:
                         cells.append("")
                         continue
@@ -138,7 +144,7 @@ def markdown(rows: list[dict], backends: list[str] | None = None, full: bool = F
                         cells.append(f"{_fmt(r['median_ms'])} ({_fmt(r['tflops'])}, {_fmt(r['speedup_vs_dense'], 2)}×)")
                     else:
                         cells.append({"skipped": "—", "wrong": "WRONG", "error": "ERROR"}.get(r["status"], r["status"]))
-                lines.append(f"| {seq_len} | {label} | {density:.3f} | " + " | ".join(cells) + " |")
+                lines.append(f"| {shape} | {label} | {density:.3f} | " + " | ".join(cells) + " |")
     problems: dict[tuple, int] = {}
     for r in rows:
         if r["status"] != "ok":
@@ -150,7 +156,7 @@ def markdown(rows: list[dict], backends: list[str] | None = None, full: bool = F
         for (status, backend, label, reason), n in problems.items():
             lines.append(f"- {status}: {backend} × {label} ({n} rows): {reason}")
     if full:
-        cols = ["mode", "head_dim", "dtype", "seq_len", "batch", "pattern_label", "density", "backend", "impl",
+        cols = ["mode", "head_dim", "dtype", "shape", "batch", "pattern_label", "density", "backend", "impl",
                 "status", "median_ms", "p20_ms", "p80_ms", "tflops", "speedup_vs_dense", "first_call_ms",
                 "peak_mem_mb", "check_against", "check_err"]
         cols += [c for c in columns(rows) if c.startswith("speedup_vs_") and c != "speedup_vs_dense"]

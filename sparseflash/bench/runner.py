@@ -63,7 +63,7 @@ class _Progress:
             return
         result = (f"{row['median_ms']:.4g} ms, {row['tflops']:.3g} TFLOP/s" if row["status"] == "ok"
                   else f"{row['status']}: {row['reason'][:90]}")
-        line = (f"[{self.done}/{self.total}] {row['mode']} hd{row['head_dim']} {row['dtype']} S={row['seq_len']} "
+        line = (f"[{self.done}/{self.total}] {row['mode']} hd{row['head_dim']} {row['dtype']} S={row['shape']} "
                 f"{row['pattern_label']} {row['backend']}: {result}")
         if self.bar is not None:
             with self.bar.external_write_mode():  # the line above the bar, not through it

@@ -49,8 +49,8 @@ class PatternSpec:
     def params(self) -> tuple:
         return self.mask.params
 
-    def make(self, seq_len: int, block: int, heads: int, device=None) -> masks.BlockMask:
-        return dataclasses.replace(self.mask, block=block).build(seq_len, heads=heads, device=device)
+    def make(self, q_len: int, block: int, heads: int, device=None, kv_len: int | None = None) -> masks.BlockMask:
+        return dataclasses.replace(self.mask, block=block).build(q_len, kv_len, heads=heads, device=device)
 
     def make_score_mod(self, heads: int, device: torch.device):
         """The score function for ``heads`` heads, its tensors on ``device`` (None without one)."""
@@ -130,6 +130,49 @@ def parse_patterns(entries: Any, defaults: Mapping[str, Mapping] | None = None) 
     return out
 
 
+@dataclass(frozen=True)
+class Shape:
+    """One problem size: q ``(batch, heads, q_len, head_dim)``, k and v ``(batch, kv_heads, kv_len,
+    head_dim)``; ``label`` names it in rows and tables."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+
+    @property
+    def label(self) -> str:
+        if (self.q_len, self.kv_heads) == (self.kv_len, self.heads):
+            return str(self.q_len)
+        gqa = f" H{self.heads}/{self.kv_heads}" if self.kv_heads != self.heads else ""
+        return f"{self.q_len}x{self.kv_len}{gqa} B{self.batch}"
+
+
+CASE_KEYS = ("q_len", "kv_len", "head_dim", "heads", "kv_heads", "batch")
+
+
+def parse_cases(entries: Any) -> list[dict]:
+    """``cases: [{q_len: 1, kv_len: 32768, head_dim: 128, heads: 32, kv_heads: 8, batch: 8}, ...]``:
+    shapes given one by one (decoding, GQA, lengths off any grid), checked here. ``q_len`` and
+    ``head_dim`` are required; ``kv_len`` defaults to ``q_len``, ``heads`` to ``hidden // head_dim``,
+    ``kv_heads`` to ``heads``, ``batch`` to ``tokens // max(q_len, kv_len)`` (at least 1)."""
+    out = []
+    for entry in _as_list(entries):
+        entry = _plain(entry)
+        if not isinstance(entry, Mapping) or not {"q_len", "head_dim"} <= set(entry):
+            raise ValueError(f"a case is {{q_len: ..., head_dim: ..., [kv_len, heads, kv_heads, batch]}}; got {entry!r}")
+        unknown = set(entry) - set(CASE_KEYS)
+        if unknown:
+            raise ValueError(f"case {entry!r}: unknown keys {sorted(unknown)} (use {', '.join(CASE_KEYS)})")
+        case = {key: int(value) for key, value in entry.items() if value is not None}
+        if any(value < 1 for value in case.values()):
+            raise ValueError(f"case {entry!r}: every size must be >= 1")
+        out.append(case)
+    return out
+
+
 @dataclass
 class Timing:
     warmup_ms: float = 25.0  # do_bench warm-up time (CUDA); CPU: at least one warm-up call
@@ -163,6 +206,7 @@ class Plots:
 @dataclass
 class BenchConfig:
     seq_lens: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
+    cases: list[dict] = field(default_factory=list)  # explicit shapes (parse_cases): replace seq_lens x head_dims
     tokens: int = 16384  # fixed total tokens: batch = tokens // seq_len ...
     batch: int | None = None  # ... unless a batch is given
     hidden: int = 2048
@@ -200,6 +244,8 @@ class BenchConfig:
                 kw[key] = cfg[key]
         if "seq_lens" in cfg:
             kw["seq_lens"] = [int(s) for s in _as_list(cfg["seq_lens"])]
+        if cfg.get("cases"):
+            kw["cases"] = parse_cases(cfg["cases"])
         if "head_dim" in cfg or "head_dims" in cfg:
             kw["head_dims"] = [int(d) for d in _as_list(cfg.get("head_dim", cfg.get("head_dims")))]
         if "dtype" in cfg or "dtypes" in cfg:
@@ -232,13 +278,32 @@ class BenchConfig:
                 kw[key] = sub(**values)
         wandb = cfg.get("wandb", (cfg.get("logger") or {}).get("wandb"))
         kw["wandb"] = dict(wandb) if wandb else None
-        return cls(**kw)
+        config = cls(**kw)
+        config.shapes()  # a case with heads not a multiple of kv_heads fails here, not mid-sweep
+        return config
 
     def batch_for(self, seq_len: int) -> int:
         return int(self.batch) if self.batch else max(1, int(self.tokens) // int(seq_len))
 
     def heads_for(self, head_dim: int) -> int:
         return int(self.heads) if self.heads else max(1, int(self.hidden) // int(head_dim))
+
+    def shapes(self) -> list[Shape]:
+        """The sweep's shapes: ``cases`` if given, else every head_dim x seq_len (square, MHA)."""
+        if not self.cases:
+            return [Shape(self.batch_for(s), self.heads_for(d), self.heads_for(d), s, s, d)
+                    for d in self.head_dims for s in self.seq_lens]
+        shapes = []
+        for case in self.cases:
+            q_len, head_dim = case["q_len"], case["head_dim"]
+            kv_len = case.get("kv_len", q_len)
+            heads = case.get("heads", self.heads_for(head_dim))
+            kv_heads = case.get("kv_heads", heads)
+            if heads % kv_heads:
+                raise ValueError(f"case {case}: heads must be a multiple of kv_heads (GQA)")
+            batch = case.get("batch", max(1, int(self.tokens) // max(q_len, kv_len)))
+            shapes.append(Shape(batch, heads, kv_heads, q_len, kv_len, head_dim))
+        return shapes
 
     def torch_device(self) -> torch.device:
         if self.device in (None, "auto"):

@@ -1,4 +1,4 @@
-"""The sweep: every (head_dim, dtype, seq_len, pattern, mode, backend) becomes one row.
+"""The sweep: every (shape, dtype, pattern, mode, backend) becomes one row.
 
 A row's ``status`` is ``ok`` (timed), ``skipped`` (cannot run here: a peer without that mask,
 CUDA-only on CPU, out of memory; ``reason`` says which), ``wrong`` (failed the correctness gate:
@@ -20,10 +20,10 @@ import torch
 
 from sparseflash.bench import measure
 from sparseflash.bench.backends import REGISTRY, UNSUPPORTED, Context, reference_bytes
-from sparseflash.bench.spec import DTYPES, BenchConfig, attention_flops
+from sparseflash.bench.spec import DTYPES, BenchConfig, Shape, attention_flops
 from sparseflash.masks import BlockMask
 
-KEY = ("mode", "head_dim", "dtype", "seq_len")
+KEY = ("mode", "head_dim", "dtype", "shape")
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -159,77 +159,76 @@ def time_prepared(rows: list[dict], steps: list[measure.Step], mode: str, q, k, 
         _free(ctx.device)
 
 
-def _inputs(batch, heads, seq_len, head_dim, dtype, device, seed):
+def _inputs(shape: Shape, dtype, device, seed):
     """Random ``q, k, v, do`` (never zeros), leaves that require grad."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    shape = (batch, heads, seq_len, head_dim)
-    make = lambda: torch.randn(shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
-    q, k, v, do = make(), make(), make(), make()
+    q_shape = (shape.batch, shape.heads, shape.q_len, shape.head_dim)
+    kv_shape = (shape.batch, shape.kv_heads, shape.kv_len, shape.head_dim)
+    make = lambda size: torch.randn(size, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    q, k, v, do = make(q_shape), make(kv_shape), make(kv_shape), make(q_shape)
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
 
 
 def count(cfg: BenchConfig) -> int:
-    return (len(cfg.head_dims) * len(cfg.dtypes) * len(cfg.seq_lens) * len(cfg.patterns)
-            * len(cfg.modes) * len(cfg.backends))
+    return len(cfg.shapes()) * len(cfg.dtypes) * len(cfg.patterns) * len(cfg.modes) * len(cfg.backends)
 
 
 def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
     device = cfg.torch_device()
     ctx = Context(device, cfg.reference_max_gb, cfg.flex_dynamic)
     rows = []
-    for head_dim in cfg.head_dims:
-        heads = cfg.heads_for(head_dim)
+    for shape in cfg.shapes():
         for dtype_name in cfg.dtypes:
-            for seq_len in cfg.seq_lens:
-                batch = cfg.batch_for(seq_len)
-                seed = cfg.seed * 1_000_003 + seq_len * 31 + head_dim
-                try:
-                    q, k, v, do = _inputs(batch, heads, seq_len, head_dim, DTYPES[dtype_name], device, seed)
-                    input_error = None
-                except Exception as err:  # noqa: BLE001 - OOM on the inputs: skip the whole case
-                    input_error = ("out of memory for the inputs" if _is_oom(err) else _first_line(err))
-                    _free(device)
-                for pattern in cfg.patterns:
-                    mask = pattern.make(seq_len, cfg.block, heads, device)
-                    score_mod = pattern.make_score_mod(heads, device)
-                    density, kind = mask.density, mask.kind.value
-                    trusted = None if input_error else _Trusted(cfg, ctx, q, k, v, do, mask, score_mod)
-                    for mode in cfg.modes:
-                        case_rows, prepared = [], []
-                        for backend in cfg.backends:
-                            row = {
-                                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "mode": mode,
-                                "head_dim": head_dim, "dtype": dtype_name, "seq_len": seq_len,
-                                "batch": batch, "heads": heads, "block": cfg.block,
-                                "pattern": pattern.name, "pattern_label": pattern.label,
-                                "params": pattern.params_json, "density": density, "mask_kind": kind,
-                                "backend": backend, "impl": REGISTRY[backend].impl(device),
-                                "status": "", "reason": "",
-                                "flops": attention_flops(batch, heads, seq_len, seq_len, head_dim, density, mode),
-                                "median_ms": math.nan, "p20_ms": math.nan, "p80_ms": math.nan,
-                                "repeats": math.nan, "first_call_ms": math.nan, "tflops": math.nan,
-                                "speedup_vs_dense": math.nan, "check_against": "", "check_err": math.nan,
-                                "peak_mem_mb": math.nan, "kernel_configs": "",
-                            }
-                            if input_error:
-                                row.update(status="skipped", reason=input_error)
-                            else:
-                                step = prepare_one(row, backend, mode, q, k, v, do, mask, cfg, ctx, trusted,
-                                                   score_mod)
-                                if step is not None:
-                                    prepared.append((row, step))
-                            case_rows.append(row)
-                        if prepared:
-                            time_prepared([row for row, _ in prepared], [step for _, step in prepared], mode,
-                                          q, k, v, cfg, ctx)
-                        for row in case_rows:
-                            row.update(env)
-                            rows.append(row)
-                            on_row(row)
-                    del trusted
-                if not input_error:
-                    del q, k, v, do
+            seq_len, head_dim, batch, heads = shape.q_len, shape.head_dim, shape.batch, shape.heads
+            seed = cfg.seed * 1_000_003 + seq_len * 31 + head_dim + (shape.kv_len - seq_len) * 7
+            try:
+                q, k, v, do = _inputs(shape, DTYPES[dtype_name], device, seed)
+                input_error = None
+            except Exception as err:  # noqa: BLE001 - OOM on the inputs: skip the whole case
+                input_error = ("out of memory for the inputs" if _is_oom(err) else _first_line(err))
                 _free(device)
+            for pattern in cfg.patterns:
+                mask = pattern.make(seq_len, cfg.block, heads, device, kv_len=shape.kv_len)
+                score_mod = pattern.make_score_mod(heads, device)
+                density, kind = mask.density, mask.kind.value
+                trusted = None if input_error else _Trusted(cfg, ctx, q, k, v, do, mask, score_mod)
+                for mode in cfg.modes:
+                    case_rows, prepared = [], []
+                    for backend in cfg.backends:
+                        row = {
+                            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "mode": mode,
+                            "head_dim": head_dim, "dtype": dtype_name, "seq_len": seq_len,
+                            "kv_len": shape.kv_len, "shape": shape.label,
+                            "batch": batch, "heads": heads, "kv_heads": shape.kv_heads, "block": cfg.block,
+                            "pattern": pattern.name, "pattern_label": pattern.label,
+                            "params": pattern.params_json, "density": density, "mask_kind": kind,
+                            "backend": backend, "impl": REGISTRY[backend].impl(device),
+                            "status": "", "reason": "",
+                            "flops": attention_flops(batch, heads, seq_len, shape.kv_len, head_dim, density, mode),
+                            "median_ms": math.nan, "p20_ms": math.nan, "p80_ms": math.nan,
+                            "repeats": math.nan, "first_call_ms": math.nan, "tflops": math.nan,
+                            "speedup_vs_dense": math.nan, "check_against": "", "check_err": math.nan,
+                            "peak_mem_mb": math.nan, "kernel_configs": "",
+                        }
+                        if input_error:
+                            row.update(status="skipped", reason=input_error)
+                        else:
+                            step = prepare_one(row, backend, mode, q, k, v, do, mask, cfg, ctx, trusted,
+                                               score_mod)
+                            if step is not None:
+                                prepared.append((row, step))
+                        case_rows.append(row)
+                    if prepared:
+                        time_prepared([row for row, _ in prepared], [step for _, step in prepared], mode,
+                                      q, k, v, cfg, ctx)
+                    for row in case_rows:
+                        row.update(env)
+                        rows.append(row)
+                        on_row(row)
+                del trusted
+            if not input_error:
+                del q, k, v, do
+            _free(device)
     return derive(rows, cfg.backends, dense_label=_dense_label(cfg))
 
 
