@@ -441,11 +441,20 @@ class BlockMask:
         plot_png(self, path, max_heads=max_heads)
 
 
+def _broadcast_shape(a: torch.Size, b: torch.Size) -> tuple[int, ...]:
+    """The broadcast of two shapes. torch.broadcast_shapes would do, but its first call imports
+    sympy (through torch._refs): 0.3 s on a CPU, seconds on a GPU host, on every new process's first mask."""
+    a, b = (1,) * (len(b) - len(a)) + tuple(a), (1,) * (len(a) - len(b)) + tuple(b)
+    if any(x != y and 1 not in (x, y) for x, y in zip(a, b)):
+        raise ValueError(f"shapes {a} and {b} do not broadcast")
+    return tuple(y if x == 1 else x for x, y in zip(a, b))
+
+
 def _predicate(mask_mod, causal: bool, batches: int, heads: int, q_idx: torch.Tensor,
                kv_idx: torch.Tensor) -> torch.Tensor:
     """causal and ``mask_mod`` at broadcastable positions, bool ``[batches|1, heads|1, ...]``."""
     keep = (q_idx >= kv_idx) if causal else torch.ones((), dtype=torch.bool, device=q_idx.device)
-    keep = keep.expand(torch.broadcast_shapes(q_idx.shape, kv_idx.shape))[None, None]
+    keep = keep.expand(_broadcast_shape(q_idx.shape, kv_idx.shape))[None, None]
     if mask_mod is None:
         return keep
     b = torch.arange(batches, device=q_idx.device)[:, None, None, None]

@@ -232,3 +232,17 @@ def test_special_functions_are_seen(name, special):
     from sparseflash.attention.score_mods import make_score_mod
 
     assert trace(make_score_mod(name, 4), "score_mod").uses_special_functions is special
+
+
+def test_building_a_function_mask_imports_no_symbolic_machinery():
+    """A new process's first from_mask_mod must not import sympy (torch.broadcast_shapes did, through
+    torch._refs: 0.3 s here, seconds on a GPU host, paid on every first call)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, sparseflash\n"
+            "from sparseflash import masks\n"
+            "masks.from_mask_mod(lambda b, h, q, k: (q >= k) & (q - k < 50), 256, block=64)\n"
+            "assert 'sympy' not in sys.modules, 'sympy was imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
