@@ -123,6 +123,23 @@ def test_the_table_gives_the_nearest_keys_config(tunings, monkeypatch):
     assert tunings == []
 
 
+def test_a_key_without_the_persistent_forward_takes_the_nearest_regular_config(tunings, monkeypatch):
+    """A ragged length leaves the persistent forward out (mode ""): the table's entries for the
+    persistent-capable key still serve it, the nearest one whose config is not persistent."""
+    monkeypatch.delenv("SPARSEFLASH_TUNE")
+    q = torch.empty(1, 4, 4096, 128)
+    auto = tuning.ConfigKey.of(q, make("causal", 4096, block=128), 128, persistent="auto")
+    ragged = tuning.ConfigKey.of(torch.empty(1, 4, 4000, 128), make("causal", 4000, block=128), 128)
+    regular = tuning.candidates("forward", auto)[2]
+    assert not regular.persistent and ragged.persistent == ""
+    monkeypatch.setattr(tuning, "_table", _table_of(("forward", auto, tuning.PERSISTENT_FORWARD[0]),
+                                                    ("forward", tuning.ConfigKey(**{**vars(auto), "row_work": 9}),
+                                                     regular),
+                                                    ("backward", auto, tuning.candidates("backward", auto)[3])))
+    assert tuning.run_tuned("forward", ragged, lambda cfg: None) == regular
+    assert tuning.run_tuned("backward", ragged, lambda cfg: None) == tuning.candidates("backward", ragged)[3]
+
+
 def test_a_table_entry_that_is_no_candidate_is_passed_over(tunings, monkeypatch):
     """A config the key's candidates lack (an older table's, or another head dim's) is not launched."""
     monkeypatch.delenv("SPARSEFLASH_TUNE")

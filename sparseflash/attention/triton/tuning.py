@@ -8,9 +8,9 @@ A kernel launches with the first config found of:
      timed on the real inputs (``_tune``: medians of interleaved calls) and the fastest kept, in
      memory and on disk. It costs 10-40 s per new key on an H100, which is why it is opt-in;
   4. the shipped table ``config_table.json``: configs tuned on a GPU of the same name, by
-     ``scripts/build_config_table.py``, taken from the nearest key (same kernel, head dim and
-     persistent mode; then the fewest differences in mask kind, dtype, functions, block and the two
-     work buckets);
+     ``scripts/build_config_table.py``, taken from the nearest key (same kernel and head dim; then
+     the fewest differences in mask kind, functions, dtype, block, causal, persistent mode and the
+     two work buckets) whose config is one of the key's candidates;
   5. the first candidate of the kernel's list (a GPU the table does not know).
 The key also holds two log2 buckets of the problem: the loop's trip count (mask blocks per query
 row) and the grid's size (batch x heads x query tiles), since short loops and small grids favour
@@ -230,9 +230,11 @@ def forget() -> None:
 TABLE_PATH = Path(__file__).with_name("config_table.json")
 # What a difference between two keys costs when the nearest table entry is sought: the mask kind
 # and the functions change the loop most, then the dtype, the block shape and causal; each log2 step
-# of the two work buckets counts 1.
-MISMATCH_COST = {"kind": 4, "mods": 4, "dtype": 3, "sparse_block": 2, "causal": 2}
-SAME_REQUIRED = ("head_dim", "persistent")
+# of the two work buckets counts 1, and so does the persistent mode (a key where the persistent
+# forward does not apply, e.g. a ragged length, takes the nearest entry whose config is not
+# persistent: ``from_table`` keeps only the key's candidates).
+MISMATCH_COST = {"kind": 4, "mods": 4, "dtype": 3, "sparse_block": 2, "causal": 2, "persistent": 1}
+SAME_REQUIRED = ("head_dim",)
 
 
 @functools.lru_cache(maxsize=1)
