@@ -176,7 +176,8 @@ def attention(
     mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1], k.shape[1])
     if mask.num_batches not in (1, q.shape[0]):
         raise ValueError(f"mask has {mask.num_batches} batch elements; expected 1 or B={q.shape[0]}")
-    if score_mod is not None:
-        trace(score_mod, "score_mod")  # a function the kernels cannot run fails here, on every backend
-    o, lse = BACKENDS[resolve_backend(backend, q.device)](q, k, v, mask, key_lengths, scale, score_mod)
+    name = resolve_backend(backend, q.device)
+    if score_mod is not None and name != "triton":  # the triton backend traces it once itself
+        trace(score_mod, "score_mod")  # a function the kernels cannot run fails on every backend
+    o, lse = BACKENDS[name](q, k, v, mask, key_lengths, scale, score_mod)
     return (o, lse) if return_lse else o
