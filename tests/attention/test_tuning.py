@@ -288,3 +288,22 @@ def test_persistent_choice_rejects_other_values(monkeypatch):
     monkeypatch.setenv("SPARSEFLASH_PERSISTENT", "yes")
     with pytest.raises(ValueError, match="SPARSEFLASH_PERSISTENT must be auto, 0 or 1; got 'yes'"):
         forward_persistent.mode(torch.empty(1, 1, 128, 16), torch.empty(1, 1, 128, 16), make("dense", 128), False, 16)
+
+
+def test_table_entries_keep_the_config_most_passes_chose():
+    """Three tuning passes: per key the majority config, the earliest pass's on a tie, a pass's last
+    launch of a key standing for that pass."""
+    key, other = _key(1024), _key(16384)
+    a, b, c = tuning.KernelConfig(64, 64, 4, 2), tuning.KernelConfig(128, 64, 8, 3), tuning.KernelConfig(64, 32, 4, 2)
+
+    def launched(*entries):
+        return [tuning.Launched(kernel, k, cfg, lambda cfg: None) for kernel, k, cfg in entries]
+
+    passes = [launched(("backward", key, c), ("backward", key, a), ("backward", other, a)),  # a (its last)
+              launched(("backward", key, b), ("backward", other, b)),
+              launched(("backward", key, b), ("backward", other, c))]
+    entries = {(e["kernel"], e["key"]["row_work"]): tuning.KernelConfig(**e["config"])
+               for e in tuning.table_entries(*passes)}
+    assert entries == {("backward", key.row_work): b, ("backward", other.row_work): a}
+    single = tuning.table_entries(passes[0])
+    assert [tuning.KernelConfig(**e["config"]) for e in single] == [a, a]

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -271,10 +272,17 @@ def from_table(kernel: str, key: ConfigKey, options: list[KernelConfig]) -> Opti
     return best
 
 
-def table_entries(launched: list["Launched"]) -> list[dict]:
-    """``launched`` as entries of the shipped table (the last config of each kernel and key)."""
-    latest = {(entry.kernel, entry.key): entry.config for entry in launched}
-    return [{"kernel": kernel, "key": asdict(key), "config": asdict(cfg)} for (kernel, key), cfg in latest.items()]
+def table_entries(*passes: list["Launched"]) -> list[dict]:
+    """Entries of the shipped table from the launches of one or more independent tuning passes: per
+    kernel and key, the config most passes chose (the earliest pass's on a tie; within a pass, its
+    last launch). One pass can miss a config a few per cent faster (docs/kernels.md)."""
+    votes: dict[tuple, Counter] = {}
+    for launched in passes:
+        latest = {(entry.kernel, entry.key): entry.config for entry in launched}
+        for name, cfg in latest.items():
+            votes.setdefault(name, Counter())[cfg] += 1
+    return [{"kernel": kernel, "key": asdict(key), "config": asdict(count.most_common(1)[0][0])}
+            for (kernel, key), count in votes.items()]
 
 
 @dataclass(frozen=True)
