@@ -307,3 +307,13 @@ def test_table_entries_keep_the_config_most_passes_chose():
     assert entries == {("backward", key.row_work): b, ("backward", other.row_work): a}
     single = tuning.table_entries(passes[0])
     assert [tuning.KernelConfig(**e["config"]) for e in single] == [a, a]
+
+
+def test_the_public_tuned_block_asks_for_tuning(monkeypatch):
+    import sparseflash
+
+    monkeypatch.delenv("SPARSEFLASH_TUNE", raising=False)
+    assert not tuning.tuning_requested()
+    with sparseflash.tuned():
+        assert tuning.tuning_requested()
+    assert not tuning.tuning_requested()
