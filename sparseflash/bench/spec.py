@@ -157,7 +157,7 @@ def parse_cases(entries: Any) -> list[dict]:
     """``cases: [{q_len: 1, kv_len: 32768, head_dim: 128, heads: 32, kv_heads: 8, batch: 8}, ...]``:
     shapes given one by one (decoding, GQA, lengths off any grid), checked here. ``q_len`` and
     ``head_dim`` are required; ``kv_len`` defaults to ``q_len``, ``heads`` to ``hidden // head_dim``,
-    ``kv_heads`` to ``heads``, ``batch`` to ``tokens // max(q_len, kv_len)`` (at least 1)."""
+    ``kv_heads`` to ``heads``, ``batch`` to the sweep's ``batch`` or ``tokens // max(q_len, kv_len)``."""
     out = []
     for entry in _as_list(entries):
         entry = _plain(entry)
@@ -301,7 +301,7 @@ class BenchConfig:
             kv_heads = case.get("kv_heads", heads)
             if heads % kv_heads:
                 raise ValueError(f"case {case}: heads must be a multiple of kv_heads (GQA)")
-            batch = case.get("batch", max(1, int(self.tokens) // max(q_len, kv_len)))
+            batch = case.get("batch", self.batch_for(max(q_len, kv_len)))
             shapes.append(Shape(batch, heads, kv_heads, q_len, kv_len, head_dim))
         return shapes
 

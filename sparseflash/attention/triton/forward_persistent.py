@@ -174,8 +174,7 @@ def mode(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, has_key_lengths: boo
     """How the forward configs may use the persistent forward for this problem: "" not at all, "auto"
     among the other candidates (the shipped table's entry, or the tuner, chooses), "only" instead of
     them (``SPARSEFLASH_PERSISTENT=1``). The layout of each call's tensors is checked at launch
-    (``launch``). Not bf16 under the interpreter,
-    whose TMA loads corrupt bf16 (Triton 3.9)."""
+    (``launch``). Not bf16 under the interpreter, whose TMA loads corrupt bf16 (Triton 3.9)."""
     choice = _choice()
     if choice == "0":
         return ""

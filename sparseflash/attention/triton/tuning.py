@@ -265,8 +265,9 @@ def from_table(kernel: str, key: ConfigKey, options: list[KernelConfig]) -> Opti
     key's blocks), or None."""
     best, best_cost = None, math.inf
     for entry_kernel, entry_key, cfg in _table().get(key.device, ()):
-        cost = key_distance(key, entry_key) if entry_kernel == kernel else math.inf
-        fitted = fit(kernel, cfg, key)
+        if entry_kernel != kernel:
+            continue
+        cost, fitted = key_distance(key, entry_key), fit(kernel, cfg, key)
         if cost < best_cost and fitted in options:
             best, best_cost = fitted, cost
     return best
