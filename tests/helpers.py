@@ -75,12 +75,15 @@ def _grads(run, q, k, v, do, dlse, captures=()) -> Outputs:
 
 
 def attention_with_grads(backend, q, k, v, mask, do, key_lengths=None, *, scale=None, dlse=None,
-                         score_mod=None) -> Outputs:
+                         score_mod=None, compiler=None) -> Outputs:
     """``(o, lse, dq, dk, dv, dcaptures)`` of ``sparseflash.attention`` through ``backend`` for the loss
-    ``sum(o * do)`` (``+ sum(lse * dlse)`` over rows that see a key, with ``dlse``)."""
+    ``sum(o * do)`` (``+ sum(lse * dlse)`` over rows that see a key, with ``dlse``); with ``compiler`` (a
+    torch.compile backend) the call runs compiled with ``fullgraph=True``."""
     def run(q, k, v):
         return sparseflash.attention(q, k, v, mask, score_mod=score_mod, key_lengths=key_lengths, scale=scale,
                                      backend=backend, return_lse=True)
+    if compiler is not None:
+        run = torch.compile(run, backend=compiler, fullgraph=True)
     return _grads(run, q, k, v, do, dlse, _trained_captures(score_mod))
 
 
@@ -177,8 +180,10 @@ def check_outputs(got: Outputs, q, k, v, mask, do, key_lengths=None, *, scale=No
 
 
 def check_backend(backend, q, k, v, mask, do, key_lengths=None, *, scale=None, dlse=None,
-                  score_mod=None) -> Outputs:
-    """Run ``backend`` on the inputs, judge its outputs (``check_outputs``) and return them."""
-    got = attention_with_grads(backend, q, k, v, mask, do, key_lengths, scale=scale, dlse=dlse, score_mod=score_mod)
+                  score_mod=None, compiler=None) -> Outputs:
+    """Run ``backend`` on the inputs (compiled by ``compiler``, if given), judge its outputs
+    (``check_outputs``) and return them."""
+    got = attention_with_grads(backend, q, k, v, mask, do, key_lengths, scale=scale, dlse=dlse, score_mod=score_mod,
+                               compiler=compiler)
     check_outputs(got, q, k, v, mask, do, key_lengths, scale=scale, dlse=dlse, score_mod=score_mod)
     return got

@@ -10,12 +10,14 @@ import torch
 
 from sparseflash.attention.blocked import blocked_attention
 from sparseflash.attention.reference import reference_attention
-from sparseflash.masks import DEFAULT_BLOCK, BlockMask, make
+from sparseflash.masks import DEFAULT_BLOCK, BlockMask, MaskSpec
 from sparseflash.masks.functions import trace
 
-MaskArg = Union[None, str, BlockMask]
+MaskArg = Union[None, str, BlockMask, MaskSpec]
 Backend = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
+# made once: torch.compile traces mask_spec, and cannot trace a MaskSpec's construction (json)
+STANDARD_MASKS = {name: MaskSpec(name, block=DEFAULT_BLOCK) for name in ("dense", "causal")}
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
@@ -43,24 +45,37 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _standard_mask(name: str, q_len: int, kv_len: int) -> BlockMask:
-    return make(name, q_len, kv_len, block=DEFAULT_BLOCK)
+def _built_mask(key: str, q_len: int, kv_len: int, heads: int | None, device: str) -> BlockMask:
+    return MaskSpec.from_key(key).build(q_len, kv_len, heads=heads, device=device)
 
 
-def resolve_mask(mask: MaskArg, q_len: int, kv_len: int, heads: int, kv_heads: int | None = None) -> BlockMask:
-    """``None`` (dense), ``"causal"`` or a ``BlockMask`` -> a ``BlockMask`` checked against the shapes
-    (``kv_heads``, when given, lets the error spot inputs passed as (B, S, H, D))."""
-    if mask is None:
-        return _standard_mask("dense", q_len, kv_len)
-    if isinstance(mask, str):
-        if mask not in ("dense", "causal"):
-            raise ValueError(
-                f"mask must be None, 'causal' or a BlockMask; got the string {mask!r} "
-                f"(build other patterns with sparseflash.masks.make({mask!r}, ...))"
-            )
-        return _standard_mask(mask, q_len, kv_len)
+def built_mask(spec: MaskSpec, q_len: int, kv_len: int, heads: int, device: torch.device | str) -> BlockMask:
+    """``spec``'s mask for these lengths (and heads, for a per-head spec) on ``device``, built once (the 64
+    most recent are kept)."""
+    return _built_mask(spec.key, q_len, kv_len, heads if spec.per_head else None, str(device))
+
+
+def mask_spec(mask: None | str | MaskSpec) -> MaskSpec:
+    """``None`` -> dense, ``"dense"`` and ``"causal"`` (block DEFAULT_BLOCK), a MaskSpec as it is; any other
+    string is an error."""
+    if isinstance(mask, MaskSpec):
+        return mask
+    if mask is not None and mask not in STANDARD_MASKS:
+        raise ValueError(
+            f"mask must be None, 'causal', a BlockMask or a MaskSpec; got the string {mask!r} "
+            f"(build other patterns with sparseflash.masks.make({mask!r}, ...))"
+        )
+    return STANDARD_MASKS[mask or "dense"]
+
+
+def resolve_mask(mask: MaskArg, q_len: int, kv_len: int, heads: int, kv_heads: int | None = None,
+                 device: torch.device | str = "cpu") -> BlockMask:
+    """``None`` (dense), ``"causal"``, a ``MaskSpec`` (built on ``device``) or a ``BlockMask`` -> a ``BlockMask``
+    checked against the shapes (``kv_heads``, when given, lets the error spot inputs passed as (B, S, H, D))."""
+    if mask is None or isinstance(mask, (str, MaskSpec)):
+        return built_mask(mask_spec(mask), q_len, kv_len, heads, device)
     if not isinstance(mask, BlockMask):
-        raise ValueError(f"mask must be None, 'causal' or a BlockMask; got {type(mask).__name__}")
+        raise ValueError(f"mask must be None, 'causal', a BlockMask or a MaskSpec; got {type(mask).__name__}")
     if (mask.q_len, mask.kv_len) != (q_len, kv_len):
         hint = ""
         if (mask.q_len, mask.kv_len) == (heads, kv_heads):
@@ -75,9 +90,13 @@ def resolve_mask(mask: MaskArg, q_len: int, kv_len: int, heads: int, kv_heads: i
     return mask
 
 
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")  # checked by name: torch.compile (torch 2.11) cannot trace
+# torch.amp.is_autocast_available
+
+
 def _autocast_dtype(q) -> torch.dtype | None:
     """The autocast dtype if autocast is on for q's device, else None."""
-    if not isinstance(q, torch.Tensor) or not torch.amp.is_autocast_available(q.device.type):
+    if not isinstance(q, torch.Tensor) or q.device.type not in AUTOCAST_DEVICES:
         return None
     return torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else None
 
@@ -145,9 +164,10 @@ def attention(
     Args:
         q: ``(B, H, S_q, D)``; k, v: ``(B, H_kv, S_kv, D)`` with ``H % H_kv == 0`` (GQA), one
             dtype (float16, bfloat16 or float32) and device; ``1 <= D <= 256``.
-        mask: ``None`` (dense), ``"causal"`` or a ``BlockMask`` built for ``(S_q, S_kv)`` with
+        mask: ``None`` (dense), ``"causal"``, a ``BlockMask`` built for ``(S_q, S_kv)`` with
             1 or H heads (and 1 or B batch elements), possibly with an element predicate
-            (``masks.from_mask_mod``). Causal masks align at the top left: query ``i`` sees keys ``<= i``.
+            (``masks.from_mask_mod``), or a ``MaskSpec`` (built for the inputs' lengths once and kept).
+            Causal masks align at the top left: query ``i`` sees keys ``<= i``.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's signature),
             applied to every kept score ``scale * q.k`` (fp32) before the softmax, and differentiated
             in the backward, its captured tensors that require grad included
@@ -173,11 +193,22 @@ def attention(
             return attention(q, k, v, mask, score_mod=score_mod, key_lengths=key_lengths, scale=scale,
                              backend=backend, return_lse=return_lse)
     scale = _check_inputs(q, k, v, key_lengths, scale)
-    mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1], k.shape[1])
-    if mask.num_batches not in (1, q.shape[0]):
-        raise ValueError(f"mask has {mask.num_batches} batch elements; expected 1 or B={q.shape[0]}")
     name = resolve_backend(backend, q.device)
-    if score_mod is not None and name != "triton":  # the triton backend traces it once itself
+    # Under torch.compile the backends are custom ops (sparseflash.attention.compiled); a mask given by name
+    # or MaskSpec goes in as its spec, built once outside the graph.
+    as_op = torch.compiler.is_compiling()
+    if as_op and (mask is None or isinstance(mask, (str, MaskSpec))):
+        mask = mask_spec(mask)
+    else:
+        mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1], k.shape[1], q.device)
+        if mask.num_batches not in (1, q.shape[0]):
+            raise ValueError(f"mask has {mask.num_batches} batch elements; expected 1 or B={q.shape[0]}")
+    if score_mod is not None and name == "reference":  # the others trace it themselves
         trace(score_mod, "score_mod")  # a function the kernels cannot run fails on every backend
-    o, lse = BACKENDS[name](q, k, v, mask, key_lengths, scale, score_mod)
+    if as_op:
+        from sparseflash.attention.compiled import compiled_attention
+
+        o, lse = compiled_attention(q, k, v, mask, key_lengths, scale, score_mod, name)
+    else:
+        o, lse = BACKENDS[name](q, k, v, mask, key_lengths, scale, score_mod)
     return (o, lse) if return_lse else o

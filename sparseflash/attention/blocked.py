@@ -8,10 +8,10 @@ and ``lse = m + log l`` kept for the backward. Memory is O(chunk x tile + the te
 ``S_q x S_kv``. The backward recomputes each tile's probabilities from ``q, k, lse`` and
 scatters ``dQ`` by query block and ``dK, dV`` by key block. Arithmetic is fp32.
 
-A mask's mask_mod and a score_mod run on each chunk's tiles with broadcast index tensors (positions
-clamped into the sequences, as the kernels do); the backward differentiates the score_mod with
-autograd, chunk by chunk, which also gives the gradients of the tensors it captures. A mask with a
-batch dimension is run one batch element at a time.
+A mask's mask_mod and the score function's traced graph (``Graph.evaluate``) run on each chunk's tiles with
+broadcast index tensors (positions clamped into the sequences, as the kernels do); the backward
+differentiates the score function with ``torch.func.vjp``, chunk by chunk, which also gives the
+gradients of the tensors it captures. A mask with a batch dimension is run one batch element at a time.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from sparseflash.masks import BlockMask, layout_to_tables
-from sparseflash.masks.functions import trace
+from sparseflash.masks.functions import Graph, trace
 
 SCORE_BYTES_PER_CHUNK = 1 << 26  # bounds the fp32 score tiles held at once
 
@@ -98,9 +98,9 @@ def _finite(m: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(torch.isinf(m) & (m < 0), torch.full_like(m, fill), m)
 
 
-def blocked_forward(q, k, v, mask: BlockMask, key_lengths, scale, score_mod=None, first_batch: int = 0):
-    """Returns ``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32; ``first_batch``: the
-    batch index of q's first element (what the mask and score functions see)."""
+def _forward(q, k, v, mask: BlockMask, key_lengths, scale, score_graph: Graph | None, first_batch: int):
+    """``blocked_forward`` for a mask without a batch dimension; ``first_batch``: the batch index of q's first
+    element (what the mask and score functions see)."""
     batch, heads, q_len, dim = q.shape
     block_m, block_n = mask.block_size
     n_q = mask.layout.shape[1]
@@ -109,6 +109,7 @@ def blocked_forward(q, k, v, mask: BlockMask, key_lengths, scale, score_mod=None
     m = torch.full((batch, heads * n_q, block_m), float("-inf"), device=q.device)
     l = torch.zeros_like(m)
     acc = torch.zeros(batch, heads * n_q, block_m, dim, device=q.device)
+    score_mod = score_graph.evaluate if score_graph is not None else None
     for part in tiles.chunks(batch, block_m, block_n):
         idx = _indices(mask, tiles, part, batch, first_batch, q.device)
         keep = _keep(mask, tiles, part, key_lengths, idx)
@@ -132,10 +133,19 @@ def blocked_forward(q, k, v, mask: BlockMask, key_lengths, scale, score_mod=None
     return o.to(q.dtype), lse
 
 
-def blocked_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale, score_mod=None,
-                     first_batch: int = 0, captures: tuple = ()):
-    """Gradients ``dq, dk, dv`` (dtypes of the inputs) of a loss through ``o`` and ``lse``, and those
-    of ``captures``, the score function's captured tensors that require grad (fp32)."""
+def _scores_and_vjp(raw, keep, score_graph: Graph, idx):
+    """The chunk's scores after the score function (``_tile_scores``) and their vjp with respect to the raw
+    scores and the captured tensors that require grad (torch.func: no autograd graph is needed, so this
+    also runs inside a custom op)."""
+    def scores(raw, *trained):
+        return _tile_scores(raw, keep, score_graph.with_trained(trained), idx)
+
+    return torch.func.vjp(scores, raw, *(t.detach() for t in score_graph.trained))
+
+
+def _backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale, score_graph: Graph | None,
+              first_batch: int):
+    """``blocked_backward`` for a mask without a batch dimension."""
     batch, heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     block_m, block_n = mask.block_size
@@ -153,22 +163,24 @@ def blocked_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, sc
     dq = torch.zeros(batch, heads * n_q, block_m, dim, device=q.device)
     dk = torch.zeros(batch, kv_heads * n_kv, block_n, dim, device=q.device)
     dv = torch.zeros_like(dk)
-    capture_grads = [torch.zeros(t.shape, device=t.device) for t in captures]
+    capture_grads = [torch.zeros(t.shape, device=t.device) for t in score_graph.trained] if score_graph else []
     for part in tiles.chunks(batch, block_m, block_n):
         idx = _indices(mask, tiles, part, batch, first_batch, q.device)
         keep = _keep(mask, tiles, part, key_lengths, idx)
         row = tiles.row[part]
-        with torch.enable_grad():
-            raw = _raw_scores(q_blk, k_blk, tiles, part, scale).requires_grad_(score_mod is not None)
-            s = _tile_scores(raw, keep, score_mod, idx)
-        p = torch.exp(s.detach() - lse_blk[:, row, :, None])
+        raw = _raw_scores(q_blk, k_blk, tiles, part, scale)
+        if score_graph is None:
+            s = _tile_scores(raw, keep, None, idx)
+        else:
+            s, vjp = _scores_and_vjp(raw, keep, score_graph, idx)
+        p = torch.exp(s - lse_blk[:, row, :, None])
         k_t = k_blk[:, tiles.kv_head[part], tiles.kv_block[part]]
         v_t = v_blk[:, tiles.kv_head[part], tiles.kv_block[part]]
         q_t = q_blk[:, tiles.head[part], tiles.q_block[part]]
         do_t = do_blk[:, tiles.head[part], tiles.q_block[part]]
         ds = p * (do_t @ v_t.transpose(-1, -2) - delta[:, row, :, None])  # (B, c, bm, bn), d loss / d s
-        if score_mod is not None:  # d loss / d raw score, and the captured tensors' share
-            ds, *shares = torch.autograd.grad(s, (raw, *captures), ds)
+        if score_graph is not None:  # d loss / d raw score, and the captured tensors' share
+            ds, *shares = vjp(ds)
             for grad, share in zip(capture_grads, shares):
                 grad += share
         col = tiles.kv_head[part] * n_kv + tiles.kv_block[part]
@@ -181,16 +193,46 @@ def blocked_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, sc
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), capture_grads
 
 
+def _batches(mask: BlockMask, batch: int):
+    """``(slice of the batch, the mask it sees, its first index)``: the whole batch for a mask without a
+    batch dimension, else one element at a time."""
+    if mask.num_batches == 1:
+        return [(slice(None), mask.batch_view(0), 0)]
+    return [(slice(b, b + 1), mask.batch_view(b), b) for b in range(batch)]
+
+
+def _part(key_lengths, rows: slice):
+    return None if key_lengths is None else key_lengths[rows]
+
+
+def blocked_forward(q, k, v, mask: BlockMask, key_lengths, scale, score_graph: Graph | None = None):
+    """Returns ``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32; ``score_graph``: the traced
+    score function, or None."""
+    outs = [_forward(q[rows], k[rows], v[rows], view, _part(key_lengths, rows), scale, score_graph, first)
+            for rows, view, first in _batches(mask, q.shape[0])]
+    return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
+
+
+def blocked_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale, score_graph: Graph | None = None):
+    """Gradients ``dq, dk, dv`` (dtypes of the inputs) of a loss through ``o`` and ``lse``, and those of the
+    score function's captured tensors that require grad, in slot order (fp32)."""
+    grads = [_backward(q[rows], k[rows], v[rows], o[rows], lse[rows], do[rows],
+                       None if dlse is None else dlse[rows], view, _part(key_lengths, rows), scale, score_graph,
+                       first)
+             for rows, view, first in _batches(mask, q.shape[0])]
+    dq, dk, dv = (torch.cat([g[i] for g in grads]) for i in range(3))
+    return dq, dk, dv, [sum(shares) for shares in zip(*(g[3] for g in grads))]
+
+
 class BlockedAttentionFunction(torch.autograd.Function):
     """Autograd for the blocked loop: saves ``q, k, v, o, lse`` (and the mask). The score function's
     captured tensors that require grad are inputs too, so that they get their gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, key_lengths, scale, score_mod, first_batch, *captures):
-        o, lse = blocked_forward(q, k, v, mask, key_lengths, scale, score_mod, first_batch)
+    def forward(ctx, q, k, v, mask, key_lengths, scale, score_graph, *grad_captures):
+        o, lse = blocked_forward(q, k, v, mask, key_lengths, scale, score_graph)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.mask, ctx.key_lengths, ctx.scale, ctx.score_mod = mask, key_lengths, scale, score_mod
-        ctx.first_batch, ctx.captures = first_batch, captures
+        ctx.mask, ctx.key_lengths, ctx.scale, ctx.score_graph = mask, key_lengths, scale, score_graph
         return o, lse
 
     @staticmethod
@@ -198,20 +240,14 @@ class BlockedAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):  # a backward run under autocast stays fp32
             dq, dk, dv, capture_grads = blocked_backward(q, k, v, o, lse, do, dlse, ctx.mask, ctx.key_lengths,
-                                                         ctx.scale, ctx.score_mod, ctx.first_batch, ctx.captures)
-        return (dq, dk, dv, None, None, None, None, None,
-                *(g.to(t.dtype) for g, t in zip(capture_grads, ctx.captures)))
+                                                         ctx.scale, ctx.score_graph)
+        trained = ctx.score_graph.trained if ctx.score_graph else []
+        return (dq, dk, dv, None, None, None, None, *(g.to(t.dtype) for g, t in zip(capture_grads, trained)))
 
 
 def blocked_attention(q, k, v, mask: BlockMask, key_lengths, scale, score_mod=None):
     """``(o, lse)`` through the blocked loop, differentiable in ``q, k, v`` and in the tensors
     ``score_mod`` captures; a mask with a batch dimension runs one batch element at a time."""
-    captures = [t for t in trace(score_mod, "score_mod").captures if t.requires_grad] if score_mod else []
-    if mask.num_batches == 1:
-        return BlockedAttentionFunction.apply(q, k, v, mask.batch_view(0), key_lengths, scale, score_mod, 0,
-                                              *captures)
-    outs = [BlockedAttentionFunction.apply(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask.batch_view(b),
-                                           None if key_lengths is None else key_lengths[b:b + 1], scale, score_mod,
-                                           b, *captures)
-            for b in range(q.shape[0])]
-    return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
+    score_graph = trace(score_mod, "score_mod") if score_mod is not None else None
+    trained = score_graph.trained if score_graph is not None else []
+    return BlockedAttentionFunction.apply(q, k, v, mask, key_lengths, scale, score_graph, *trained)

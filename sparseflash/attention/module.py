@@ -9,7 +9,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from sparseflash.attention.api import attention
+from sparseflash.attention.api import attention, built_mask
 from sparseflash.attention.score_mods import make_score_mod
 from sparseflash.masks import BlockMask, MaskSpec
 
@@ -45,22 +45,18 @@ class SparseAttention(nn.Module):
         self.dim, self.heads, self.kv_heads, self.head_dim = dim, heads, kv_heads, dim // heads
         self.backend = backend
         self.mask = mask if mask is None or isinstance(mask, BlockMask) else MaskSpec.from_config(mask)
-        self._masks: dict[int, BlockMask] = {}
         self.score_mod = _score_mod(score_mod, heads)
         self.to_q = nn.Linear(dim, dim, bias=bias)
         self.to_kv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=bias)
         self.to_out = nn.Linear(dim, dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
-    def mask_for(self, seq_len: int, device: torch.device | str | None = None) -> BlockMask | None:
+    def mask_for(self, seq_len: int, device: torch.device | str = "cpu") -> BlockMask | None:
         """The mask used at ``seq_len`` (built on ``device`` once per length and device from a spec;
         None: dense)."""
         if not isinstance(self.mask, MaskSpec):
             return self.mask
-        key = (seq_len, None if device is None else str(torch.device(device)))
-        if key not in self._masks:
-            self._masks[key] = self.mask.build(seq_len, heads=self.heads, device=device)
-        return self._masks[key]
+        return built_mask(self.mask, seq_len, seq_len, self.heads, device)
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.dim:
@@ -68,7 +64,7 @@ class SparseAttention(nn.Module):
                              f"got {tuple(x.shape)}")
         q = rearrange(self.to_q(x), "b s (h d) -> b h s d", h=self.heads)
         k, v = rearrange(self.to_kv(x), "b s (two h d) -> two b h s d", two=2, h=self.kv_heads)
-        o = attention(q, k, v, self.mask_for(x.shape[1], x.device), score_mod=self.score_mod, key_lengths=key_lengths,
+        o = attention(q, k, v, self.mask, score_mod=self.score_mod, key_lengths=key_lengths,
                       backend=self.backend)
         return self.dropout(self.to_out(rearrange(o, "b h s d -> b s (h d)")))
 

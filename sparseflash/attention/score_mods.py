@@ -80,20 +80,21 @@ class Alibi(nn.Module):
 
 
 class RelativeBias(nn.Module):
-    """A learnable bias per head and relative position: ``score + table[h, clamp(kv_idx - q_idx)]``
-    with distances clamped to ``[-max_distance, max_distance]`` (a T5-style table without buckets,
-    initialised to zero)."""
+    """A learnable bias per head and relative position: ``score + bias[h, clamp(kv_idx - q_idx)]`` with
+    distances clamped to ``[-max_distance, max_distance]`` (a T5-style table without buckets, initialised to
+    zero). The table is kept flat, ``table[h * (2 max_distance + 1) + max_distance + distance]``: Dynamo
+    (torch 2.13) cannot trace a tensor indexed by a tuple of traced values, and torch.compile traces this."""
 
     def __init__(self, heads: int, max_distance: int = 128):
         super().__init__()
         if max_distance < 1:
             raise ValueError(f"relative_bias max_distance must be >= 1; got {max_distance}")
         self.max_distance = int(max_distance)
-        self.table = nn.Parameter(torch.zeros(heads, 2 * self.max_distance + 1))
+        self.table = nn.Parameter(torch.zeros(heads * (2 * self.max_distance + 1)))
 
     def forward(self, score, b, h, q_idx, kv_idx):
         distance = torch.clamp(kv_idx - q_idx, -self.max_distance, self.max_distance)
-        return score + self.table[h, distance + self.max_distance]
+        return score + self.table[h * (2 * self.max_distance + 1) + self.max_distance + distance]
 
 
 @register_score_mod("alibi")

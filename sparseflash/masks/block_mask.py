@@ -162,8 +162,10 @@ class BlockMask:
         visible, partial = self._tile_classes(layout.device)
         layout = layout & visible
         self._mod_kept = None  # per tile, the scores the mask_mod keeps (with causal and bounds)
+        # a function the kernels cannot run fails here
+        self._mask_graph = trace(mask_mod, "mask_mod") if mask_mod is not None else None
+        self._parts_text = _parts_text(self.block_size, q_len, kv_len, self.causal, self._mask_graph)
         if mask_mod is not None:
-            self._mask_graph = trace(mask_mod, "mask_mod")  # a function the kernels cannot run fails here
             kept = _count_kept(mask_mod, self.causal, layout, self.block_size, q_len, kv_len)
             layout = kept > 0
             partial = partial | (kept < self._kept_per_tile().to(kept.device))
@@ -175,10 +177,14 @@ class BlockMask:
         self.derived: dict[str, dict] = {}
 
     @classmethod
-    def _restore(cls, layout, block_size, q_len, kv_len, causal, mask_mod, partial, mod_kept) -> "BlockMask":
-        """A mask from parts already derived (a device move, a batch view): no mask_mod evaluation."""
+    def _restore(cls, layout, block_size, q_len, kv_len, causal, mask_mod, partial, mod_kept,
+                 mask_graph: Graph | None = None) -> "BlockMask":
+        """A mask from parts already derived (a device move, a batch view): no mask_mod evaluation (its graph
+        is traced unless given)."""
         mask = cls.__new__(cls)
         mask.block_size, mask.q_len, mask.kv_len, mask.causal, mask.mask_mod = block_size, q_len, kv_len, causal, mask_mod
+        mask._mask_graph = mask_graph if mask_graph is not None or mask_mod is None else trace(mask_mod, "mask_mod")
+        mask._parts_text = _parts_text(block_size, q_len, kv_len, causal, mask._mask_graph)
         mask.layout, mask._partial_tiles, mask._mod_kept = layout.contiguous(), partial, mod_kept
         mask._tables, mask.derived = {}, {}
         return mask
@@ -223,8 +229,6 @@ class BlockMask:
     @property
     def mask_graph(self) -> Graph | None:
         """The mask_mod's traced graph (``sparseflash.masks.functions``), None without a mask_mod."""
-        if not hasattr(self, "_mask_graph"):
-            self._mask_graph = trace(self.mask_mod, "mask_mod") if self.mask_mod is not None else None
         return self._mask_graph
 
     def mask_mod_at(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
@@ -416,7 +420,26 @@ class BlockMask:
             return self
         return BlockMask._restore(self.layout.to(device), self.block_size, self.q_len, self.kv_len, self.causal,
                                   self.mask_mod, self._partial_tiles.to(device),
-                                  None if self._mod_kept is None else self._mod_kept.to(device))
+                                  None if self._mod_kept is None else self._mod_kept.to(device), self._mask_graph)
+
+    # ------------------------------------------------------------------ parts (what a custom op takes)
+    def parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor], str]:
+        """The mask as a custom op takes it: its tensors ``[layout, partial tiles]`` (and the mask_mod's kept
+        counts), the mask_mod's captured tensors, and a string of the rest (block size, lengths, causal,
+        the mask_mod's traced graph). Reads no tensor's values, so torch.compile traces it: a new mask with
+        the same string is a new input, not a recompile. ``from_parts`` rebuilds the mask."""
+        tensors = [self.layout, self._partial_tiles] + ([] if self._mod_kept is None else [self._mod_kept])
+        return tensors, [] if self._mask_graph is None else list(self._mask_graph.captures), self._parts_text
+
+    @classmethod
+    def from_parts(cls, tensors: list[torch.Tensor], captures: list[torch.Tensor], spec: str) -> "BlockMask":
+        """The mask that ``parts`` took apart; its mask_mod evaluates the traced graph."""
+        static, key = spec.split("#", 1)
+        block_m, block_n, q_len, kv_len, causal = (int(x) for x in static.split(","))
+        graph = Graph.parse(key, captures) if key else None
+        layout, partial, *kept = tensors
+        return cls._restore(layout, (block_m, block_n), q_len, kv_len, bool(causal),
+                            None if graph is None else graph.evaluate, partial, kept[0] if kept else None, graph)
 
     # ------------------------------------------------------------------ pictures
     def __repr__(self) -> str:
@@ -439,6 +462,13 @@ class BlockMask:
         from sparseflash.masks.viz import plot_png
 
         plot_png(self, path, max_heads=max_heads)
+
+
+def _parts_text(block_size: tuple[int, int], q_len: int, kv_len: int, causal: bool, graph: Graph | None) -> str:
+    """What ``BlockMask.parts`` writes of the mask's static fields and mask_mod, made on construction: under
+    torch.compile, a string made while tracing could not hold lengths traced as symbols, and reading the
+    graph's nodes would tie the compiled code to this mask's objects."""
+    return f"{block_size[0]},{block_size[1]},{q_len},{kv_len},{int(causal)}#" + ("" if graph is None else graph.key())
 
 
 def _broadcast_shape(a: torch.Size, b: torch.Size) -> tuple[int, ...]:

@@ -3,10 +3,11 @@
     mask_mod(b, h, q_idx, kv_idx) -> bool              which scores are kept
     score_mod(score, b, h, q_idx, kv_idx) -> score      how a kept score is changed (fp32, before the softmax)
 
-The same Python function serves every backend: the PyTorch backends call it on broadcast index tensors
-(``b (B,1,1,1)``, ``h (1,H,1,1)``, ``q_idx (1,1,S_q,1)``, ``kv_idx (1,1,1,S_kv)``, ``score (B,H,S_q,S_kv)``),
-and the Triton kernels run a ``@triton.jit`` helper generated from the graph that ``trace`` records by
-calling it once on symbols (``sparseflash.attention.triton.codegen``). A function may use:
+The same Python function serves every backend: ``trace`` records its graph by calling it once on symbols;
+the reference calls the function itself on broadcast index tensors (``b (B,1,1,1)``, ``h (1,H,1,1)``,
+``q_idx (1,1,S_q,1)``, ``kv_idx (1,1,1,S_kv)``, ``score (B,H,S_q,S_kv)``), the blocked loop and the custom ops
+of torch.compile evaluate the graph on such tensors (``Graph.evaluate``), and the Triton kernels run a
+``@triton.jit`` helper generated from the graph (``sparseflash.attention.triton.codegen``). A function may use:
 
 - ``+ - * /``, ``//`` and ``%`` (integers, rounding down as Python does), unary ``-``, ``**`` with a
   Python-number exponent (0 to 4, or 0.5);
@@ -85,14 +86,95 @@ class Graph:
         return any(n.op in SPECIAL_FUNCTIONS for n in self.nodes)
 
     def key(self) -> str:
-        """The graph's structure, constants and captures' dtypes, ranks and whether they require grad:
-        what generated code depends on."""
+        """The graph as text: its nodes (op, kind and arguments), output, and its captures' dtypes, ranks and
+        whether they require grad. It is what generated code depends on, and ``Graph.parse`` reads it back."""
         index = {id(n): i for i, n in enumerate(self.nodes)}
-        parts = [f"{n.op}({','.join(f'%{index[id(a)]}' if isinstance(a, Node) else repr(a) for a in n.args)}):{n.kind}"
-                 for n in self.nodes]
+        parts = [f"{n.op}:{n.kind}:{','.join(_arg_text(a, index) for a in n.args)}" for n in self.nodes]
         caps = [f"{str(t.dtype).removeprefix('torch.')}/{t.dim()}{'/grad' if t.requires_grad else ''}"
                 for t in self.captures]
-        return ";".join(parts) + f"->%{index[id(self.output)]}|" + ",".join(caps)
+        return f"{','.join(self.arg_names)}|" + ";".join(parts) + f"|{index[id(self.output)]}|" + ",".join(caps)
+
+    @classmethod
+    def parse(cls, key: str, captures: list[torch.Tensor]) -> "Graph":
+        """The graph that ``key()`` wrote, with ``captures`` (in slot order) as its captured tensors."""
+        arg_names, body, output, _ = key.split("|")
+        nodes: list[Node] = []
+        for text in body.split(";"):
+            op, kind, args = text.split(":", 2)
+            values = tuple(_parse_arg(a, nodes) for a in args.split(",")) if args else ()
+            deps = frozenset().union(*(a.deps for a in values if isinstance(a, Node)))
+            nodes.append(Node(op, values, kind, deps | (frozenset(values[:1]) if op == "arg" else frozenset())))
+        return cls(tuple(arg_names.split(",")), nodes, nodes[int(output)], list(captures))
+
+    @property
+    def trained(self) -> list[torch.Tensor]:
+        """The captured tensors that require grad, in slot order."""
+        return [t for t in self.captures if t.requires_grad]
+
+    def with_trained(self, trained) -> Callable:
+        """The function with the captured tensors that require grad replaced by ``trained``: what
+        ``torch.func.vjp`` differentiates to get their gradients."""
+        trained = iter(trained)
+        captures = [next(trained) if t.requires_grad else t for t in self.captures]
+        return lambda *args: self.evaluate(*args, captures=captures)
+
+    def evaluate(self, *args, captures: list[torch.Tensor] | None = None):
+        """The function's value at ``args`` (broadcast tensors, as the PyTorch backends pass them), computed
+        from the graph with torch ops; ``captures`` replaces the captured tensors."""
+        captures = self.captures if captures is None else captures
+        values: dict[int, object] = {}
+        for node in self.nodes:
+            a = [values[id(x)] if isinstance(x, Node) else x for x in node.args]
+            if node.op == "arg":
+                out = args[self.arg_names.index(a[0])]
+            elif node.op == "const":
+                out = a[0]
+            elif node.op == "load":
+                out = captures[a[0]][tuple(a[1:])] if len(a) > 1 else captures[a[0]]
+            else:
+                out = _EVALUATE[node.op](*a)
+            values[id(node)] = out
+        return values[id(self.output)]
+
+
+def _arg_text(arg, index: dict[int, int]) -> str:
+    if isinstance(arg, Node):
+        return f"%{index[id(arg)]}"
+    if isinstance(arg, bool):
+        return f"b{int(arg)}"
+    if isinstance(arg, int):
+        return f"i{arg}"
+    if isinstance(arg, float):
+        return f"f{arg!r}"
+    return f"s{arg}"
+
+
+def _parse_arg(text: str, nodes: list[Node]):
+    tag, body = text[0], text[1:]
+    if tag == "%":
+        return nodes[int(body)]
+    return {"b": lambda x: bool(int(x)), "i": int, "f": float, "s": str}[tag](body)
+
+
+def _bound(fn, a, b):
+    """torch.minimum/maximum of two operands of which one may be a Python number (then a clamp)."""
+    if not isinstance(b, torch.Tensor):
+        return torch.clamp(a, **{"max" if fn is torch.minimum else "min": b})
+    if not isinstance(a, torch.Tensor):
+        return _bound(fn, b, a)
+    return fn(a, b)
+
+
+_EVALUATE = {
+    "neg": lambda a: -a, "not": lambda a: ~a, "abs": torch.abs, "exp": torch.exp, "log": torch.log,
+    "tanh": torch.tanh, "sqrt": torch.sqrt, "pow": lambda a, n: a ** n,
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "truediv": lambda a, b: a / b, "floordiv": lambda a, b: a // b, "mod": lambda a, b: a % b,
+    "minimum": lambda a, b: _bound(torch.minimum, a, b), "maximum": lambda a, b: _bound(torch.maximum, a, b),
+    "and": lambda a, b: a & b, "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b,
+    "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b, "le": lambda a, b: a <= b,
+    "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b, "where": torch.where,
+}
 
 
 class Sym:
@@ -317,7 +399,8 @@ def trace(fn: Callable, what: str) -> Graph:
     Traced anew at each call (tens of microseconds), so that the captured tensors are those the
     function reads now (a module's buffers after ``.to(device)``, say)."""
     arg_names = MASK_ARGS if what == "mask_mod" else SCORE_ARGS
-    check_arity(fn, arg_names, what)
+    if not torch.compiler.is_compiling():  # Dynamo (torch 2.11) cannot trace inspect.signature of a module;
+        check_arity(fn, arg_names, what)  # there a wrong arity fails in the call below
     tracer = _Tracer(arg_names)
     args = [tracer.add("arg", (name,), "float" if name == "score" else "int") for name in arg_names]
     try:

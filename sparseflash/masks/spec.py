@@ -9,6 +9,7 @@ not take, a bad block), and builds a ``BlockMask`` for any length.
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ FIELDS = ("pattern", "params", "block", "causal", "per_head")
 
 @dataclass(frozen=True)
 class MaskSpec:
-    """A registered pattern with its parameters and block (hashable, so usable as a cache key).
+    """A registered pattern with its parameters and block. ``key``: its fields as text (``from_key`` reads it
+back), what caches and custom ops key on.
 
     Args:
         pattern: a name in ``sparseflash.masks.registered()``.
@@ -50,6 +52,14 @@ class MaskSpec:
         object.__setattr__(self, "block", block[0] if block[0] == block[1] else block)
         object.__setattr__(self, "causal", bool(self.causal) or pattern.causal)
         object.__setattr__(self, "per_head", bool(self.per_head))
+        object.__setattr__(self, "key", json.dumps(self.as_dict(), sort_keys=True))
+
+    @classmethod
+    def from_key(cls, key: str) -> "MaskSpec":
+        """The spec whose ``key`` (its fields as JSON, made on construction) is ``key``."""
+        fields = json.loads(key)
+        block = fields.pop("block")
+        return cls(**fields, block=block if isinstance(block, int) else tuple(block))
 
     @classmethod
     def from_config(cls, cfg: Union[None, str, Mapping[str, Any], "MaskSpec"], *,

@@ -1,4 +1,5 @@
-"""``torch.autograd.Function`` tying the Triton forward and backward kernels together."""
+"""The Triton kernels as functions of a mask and a traced score function, and the ``torch.autograd.Function``
+that ties them together in eager mode (``sparseflash.attention.compiled`` ties them under torch.compile)."""
 
 from __future__ import annotations
 
@@ -8,37 +9,50 @@ from sparseflash.attention.triton.backward import attention_backward
 from sparseflash.attention.triton.forward import attention_forward
 from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.masks import BlockMask
-from sparseflash.masks.functions import trace
+from sparseflash.masks.functions import Graph, trace
+
+
+def triton_forward(q, k, v, mask: BlockMask, key_lengths, scale: float, score_graph: Graph | None):
+    """``(o, lse)``; ``score_graph``: the traced score function, or None."""
+    plan = LaunchPlan.of(q, k, mask, key_lengths is not None, scale, score_graph)
+    return attention_forward(q, k, v, plan.key_lengths_arg(key_lengths), plan, plan.captures(score_graph))
+
+
+def triton_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale: float, score_graph: Graph | None):
+    """``dq, dk, dv`` and the gradients of the score function's captured tensors that require grad, in slot
+    order, in their dtypes. ``do`` None: only lse was used."""
+    plan = LaunchPlan.of(q, k, mask, key_lengths is not None, scale, score_graph)
+    captures = plan.captures(score_graph)
+    dq, dk, dv, grads = attention_backward(q, k, v, o, lse, torch.zeros_like(o) if do is None else do, dlse,
+                                           plan.key_lengths_arg(key_lengths), plan, captures)
+    score_part = slice(len(plan.mask_captures), None)  # a mask_mod's captured tensors get no gradient
+    return dq, dk, dv, [g.to(t.dtype) for g, t in zip(grads[score_part], captures[score_part]) if g is not None]
 
 
 class TritonAttentionFunction(torch.autograd.Function):
-    """Saves only ``q, k, v, o, lse`` (and key_lengths and the launch plan, which holds the mask's
-    tables, as attributes). The tensors captured by the mask and score functions are inputs too, so
-    that those that require grad get their gradients."""
+    """Saves only ``q, k, v, o, lse`` (and key_lengths, the mask and the score graph as attributes). The
+    captured tensors of the score function that require grad are inputs too, so that they get their
+    gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: LaunchPlan, key_lengths, *captures):
-        key_lengths = plan.key_lengths_arg(key_lengths)
-        o, lse = attention_forward(q, k, v, key_lengths, plan, captures)
+    def forward(ctx, q, k, v, mask, key_lengths, scale, score_graph, *grad_captures):
+        o, lse = triton_forward(q, k, v, mask, key_lengths, scale, score_graph)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.plan, ctx.key_lengths, ctx.captures = plan, key_lengths, captures
+        ctx.mask, ctx.key_lengths, ctx.scale, ctx.score_graph = mask, key_lengths, scale, score_graph
         ctx.set_materialize_grads(False)  # an unused lse gets dlse None, not a zero-filled tensor
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        if do is None:  # only lse was used
-            do = torch.zeros_like(o)
-        dq, dk, dv, capture_grads = attention_backward(q, k, v, o, lse, do, dlse, ctx.key_lengths, ctx.plan,
-                                                       ctx.captures)
-        capture_grads = [None if g is None else g.to(t.dtype) for g, t in zip(capture_grads, ctx.captures)]
-        return dq, dk, dv, None, None, *capture_grads
+        dq, dk, dv, capture_grads = triton_backward(q, k, v, o, lse, do, dlse, ctx.mask, ctx.key_lengths,
+                                                    ctx.scale, ctx.score_graph)
+        return dq, dk, dv, None, None, None, None, *capture_grads
 
 
 def triton_attention(q, k, v, mask: BlockMask, key_lengths, scale: float, score_mod=None):
-    """``(o, lse)`` through the Triton kernels, differentiable in ``q, k, v`` and in the tensors the
-    mask's mask_mod and ``score_mod`` capture."""
+    """``(o, lse)`` through the Triton kernels, differentiable in ``q, k, v`` and in the tensors ``score_mod``
+    captures."""
     score_graph = trace(score_mod, "score_mod") if score_mod is not None else None
-    plan = LaunchPlan.of(q, k, mask, key_lengths is not None, scale, score_graph)
-    return TritonAttentionFunction.apply(q, k, v, plan, key_lengths, *plan.captures(score_graph))
+    trained = score_graph.trained if score_graph is not None else []
+    return TritonAttentionFunction.apply(q, k, v, mask, key_lengths, scale, score_graph, *trained)
