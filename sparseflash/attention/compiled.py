@@ -28,22 +28,26 @@ from sparseflash.attention.api import built_mask
 from sparseflash.attention.blocked import blocked_backward, blocked_forward
 from sparseflash.attention.reference import reference_attention
 from sparseflash.masks import BlockMask, MaskSpec
-from sparseflash.masks.functions import Graph, trace
+from sparseflash.masks.functions import Graph, trace, trained_flags
 
 # layout tensor -> (identities of the other parts, the mask rebuilt from them); dies with the layout
 _MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _triton_forward(*args):
+def _triton_forward(q, k, v, mask, key_lengths, scale, score_graph):
     from sparseflash.attention.triton.op import triton_forward  # imports triton only when used
+    from sparseflash.attention.triton.plan import LaunchPlan
 
-    return triton_forward(*args)
+    plan = LaunchPlan.of(q, k, mask, key_lengths is not None, scale, score_graph)
+    return triton_forward(q, k, v, plan, key_lengths, score_graph)
 
 
-def _triton_backward(*args):
+def _triton_backward(q, k, v, o, lse, do, dlse, mask, key_lengths, scale, score_graph):
     from sparseflash.attention.triton.op import triton_backward
+    from sparseflash.attention.triton.plan import LaunchPlan
 
-    return triton_backward(*args)
+    plan = LaunchPlan.of(q, k, mask, key_lengths is not None, scale, score_graph)
+    return triton_backward(q, k, v, o, lse, do, dlse, plan, key_lengths, score_graph)
 
 
 def _reference_forward(q, k, v, mask, key_lengths, scale, score_graph):
@@ -85,20 +89,8 @@ def _mask(tensors: list[torch.Tensor], captures: list[torch.Tensor], spec: str, 
     return held[1]
 
 
-def _grad_flags(key: str) -> list[bool]:
-    """Per captured tensor of a score function's ``Graph.key``, whether it requires grad."""
-    captures = key.rsplit("|", 1)[1] if key else ""
-    return [text.endswith("/grad") for text in captures.split(",")] if captures else []
-
-
 def _score_graph(captures: list[torch.Tensor], key: str) -> Graph | None:
-    """The traced score function of ``key``, its captures marked as requiring grad where the key says so
-    (inside the op they arrive detached, and the kernels read the mark)."""
-    if not key:
-        return None
-    flags = _grad_flags(key)
-    captures = [t.detach().requires_grad_() if flag else t for t, flag in zip(captures, flags)]
-    return Graph.parse(key, captures)
+    return Graph.parse(key, captures) if key else None
 
 
 @torch.library.custom_op("sparseflash::attention_forward", mutates_args=())
@@ -134,7 +126,7 @@ def attention_backward(do: Optional[torch.Tensor], dlse: Optional[torch.Tensor],
 @attention_backward.register_fake
 def _(do, dlse, q, k, v, o, lse, mask_tensors, mask_captures, key_lengths, score_captures, scale, mask_spec,
       score_key, backend):
-    flags = _grad_flags(score_key)
+    flags = trained_flags(score_key)
     grads = [t.new_empty(t.shape) for t, flag in zip(score_captures, flags) if flag]
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grads
 
@@ -158,7 +150,7 @@ def _backward(ctx, do, dlse):
     scale, mask_spec, score_key, backend = ctx.statics
     dq, dk, dv, grads = attention_backward(do, dlse, q, k, v, o, lse, mask_tensors, mask_captures, key_lengths,
                                            score_captures, scale, mask_spec, score_key, backend)
-    flags = _grad_flags(score_key)
+    flags = trained_flags(score_key)
     grads = iter(grads)
     score_grads = [next(grads) if flag else None for flag in flags]
     return (dq, dk, dv, [None] * n_tensors, [None] * n_mask_captures, None, score_grads, None, None, None,

@@ -96,7 +96,10 @@ class Graph:
 
     @classmethod
     def parse(cls, key: str, captures: list[torch.Tensor]) -> "Graph":
-        """The graph that ``key()`` wrote, with ``captures`` (in slot order) as its captured tensors."""
+        """The graph that ``key()`` wrote, with ``captures`` (in slot order) as its captured tensors; those the
+        key says require grad are marked so (detached: inside a custom op they arrive without the mark, and
+        the kernels and ``trained`` read it)."""
+        captures = [t.detach().requires_grad_() if flag else t for t, flag in zip(captures, trained_flags(key))]
         arg_names, body, output, _ = key.split("|")
         nodes: list[Node] = []
         for text in body.split(";"):
@@ -135,6 +138,12 @@ class Graph:
                 out = _EVALUATE[node.op](*a)
             values[id(node)] = out
         return values[id(self.output)]
+
+
+def trained_flags(key: str) -> list[bool]:
+    """Per captured tensor of a ``Graph.key``, whether it requires grad ([] for an empty key)."""
+    captures = key.rsplit("|", 1)[1] if key else ""
+    return [text.endswith("/grad") for text in captures.split(",")] if captures else []
 
 
 def _arg_text(arg, index: dict[int, int]) -> str:

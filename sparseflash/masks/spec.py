@@ -23,8 +23,8 @@ FIELDS = ("pattern", "params", "block", "causal", "per_head")
 
 @dataclass(frozen=True)
 class MaskSpec:
-    """A registered pattern with its parameters and block. ``key``: its fields as text (``from_key`` reads it
-back), what caches and custom ops key on.
+    """A registered pattern with its parameters and block. ``key``: its fields as text (``from_key`` reads
+    it back), what caches and custom ops key on.
 
     Args:
         pattern: a name in ``sparseflash.masks.registered()``.

@@ -12,16 +12,14 @@ from sparseflash.masks import BlockMask
 from sparseflash.masks.functions import Graph, trace
 
 
-def triton_forward(q, k, v, mask: BlockMask, key_lengths, scale: float, score_graph: Graph | None):
-    """``(o, lse)``; ``score_graph``: the traced score function, or None."""
-    plan = LaunchPlan.of(q, k, mask, key_lengths is not None, scale, score_graph)
+def triton_forward(q, k, v, plan: LaunchPlan, key_lengths, score_graph: Graph | None):
+    """``(o, lse)``; ``plan``: ``LaunchPlan.of`` the inputs; ``score_graph``: the traced score function, or None."""
     return attention_forward(q, k, v, plan.key_lengths_arg(key_lengths), plan, plan.captures(score_graph))
 
 
-def triton_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale: float, score_graph: Graph | None):
+def triton_backward(q, k, v, o, lse, do, dlse, plan: LaunchPlan, key_lengths, score_graph: Graph | None):
     """``dq, dk, dv`` and the gradients of the score function's captured tensors that require grad, in slot
     order, in their dtypes. ``do`` None: only lse was used."""
-    plan = LaunchPlan.of(q, k, mask, key_lengths is not None, scale, score_graph)
     captures = plan.captures(score_graph)
     dq, dk, dv, grads = attention_backward(q, k, v, o, lse, torch.zeros_like(o) if do is None else do, dlse,
                                            plan.key_lengths_arg(key_lengths), plan, captures)
@@ -30,29 +28,30 @@ def triton_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, sca
 
 
 class TritonAttentionFunction(torch.autograd.Function):
-    """Saves only ``q, k, v, o, lse`` (and key_lengths, the mask and the score graph as attributes). The
-    captured tensors of the score function that require grad are inputs too, so that they get their
+    """Saves only ``q, k, v, o, lse`` (and key_lengths, the launch plan and the score graph as attributes).
+    The captured tensors of the score function that require grad are inputs too, so that they get their
     gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, key_lengths, scale, score_graph, *grad_captures):
-        o, lse = triton_forward(q, k, v, mask, key_lengths, scale, score_graph)
+    def forward(ctx, q, k, v, plan, key_lengths, score_graph, *trained):
+        o, lse = triton_forward(q, k, v, plan, key_lengths, score_graph)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.mask, ctx.key_lengths, ctx.scale, ctx.score_graph = mask, key_lengths, scale, score_graph
+        ctx.plan, ctx.key_lengths, ctx.score_graph = plan, key_lengths, score_graph
         ctx.set_materialize_grads(False)  # an unused lse gets dlse None, not a zero-filled tensor
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv, capture_grads = triton_backward(q, k, v, o, lse, do, dlse, ctx.mask, ctx.key_lengths,
-                                                    ctx.scale, ctx.score_graph)
-        return dq, dk, dv, None, None, None, None, *capture_grads
+        dq, dk, dv, capture_grads = triton_backward(q, k, v, o, lse, do, dlse, ctx.plan, ctx.key_lengths,
+                                                    ctx.score_graph)
+        return dq, dk, dv, None, None, None, *capture_grads
 
 
 def triton_attention(q, k, v, mask: BlockMask, key_lengths, scale: float, score_mod=None):
     """``(o, lse)`` through the Triton kernels, differentiable in ``q, k, v`` and in the tensors ``score_mod``
     captures."""
     score_graph = trace(score_mod, "score_mod") if score_mod is not None else None
+    plan = LaunchPlan.of(q, k, mask, key_lengths is not None, scale, score_graph)
     trained = score_graph.trained if score_graph is not None else []
-    return TritonAttentionFunction.apply(q, k, v, mask, key_lengths, scale, score_graph, *trained)
+    return TritonAttentionFunction.apply(q, k, v, plan, key_lengths, score_graph, *trained)
