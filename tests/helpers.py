@@ -4,7 +4,8 @@ As FlashAttention's tests do it, an output is compared with the reference run in
 (low-precision) inputs, and its largest element error must stay within ``FACTOR`` times the largest
 error of a plain PyTorch implementation in the inputs' own precision (``reference_attention(...,
 upcast=False)``: scores and ``p @ v`` in that dtype, the softmax in fp32), plus one rounding step of
-the dtype at the tensor's largest magnitude (outputs are rounded to it once). So a few corrupted
+the dtype at the tensor's largest magnitude (outputs are rounded to it once; bf16 gradients get
+``GRADIENT_STEPS``). So a few corrupted
 rows fail even where a whole-tensor norm would hide them. The relative error over the tensor must
 stay within the dtype's ``REL_TOL`` too, nothing may be NaN, and the ``-inf`` entries of lse (rows
 that see no key) must match exactly. lse is computed in fp32 by every backend and is held to an
@@ -26,6 +27,11 @@ from sparseflash.attention.reference import reference_attention
 from sparseflash.masks.functions import trace
 
 FACTOR = {torch.float16: 2.0, torch.bfloat16: 2.0, torch.float32: 8.0}
+# The kernels' backward rounds P and dS to the inputs' dtype before its dots, as FlashAttention's does;
+# in bf16 (8-bit mantissas) that alone put a gradient 3-4 rounding steps off at a few elements of small
+# shapes (decoding: GQA, 2-5 query rows), where the plain implementation was closer, with the same
+# errors from the regular forward and the split one. A corrupted tile is off by many more steps.
+GRADIENT_STEPS = {torch.bfloat16: 4}
 REL_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-5}
 TF32_REL_TOL = 5e-3  # fp32 inputs on a GPU: TF32 dots (10-bit mantissas), as fp16's
 LSE_TOL = 1e-5  # absolute and relative: |lse - lse_ref| <= LSE_TOL * (1 + |lse_ref|)
@@ -173,10 +179,11 @@ def check_outputs(got: Outputs, q, k, v, mask, do, key_lengths=None, *, scale=No
             assert worst <= 0, f"lse: error {err:.2e} beyond the fp32 tolerance {LSE_TOL:.0e} x (1 + |lse|)"
             continue
         step = torch.finfo(dtype).eps * expected[torch.isfinite(expected)].abs().max().item() if expected.numel() else 0
-        allowed = FACTOR[dtype] * max_error(baseline, expected) + step
+        steps = GRADIENT_STEPS.get(dtype, 1) if name.startswith("d") else 1
+        allowed = FACTOR[dtype] * max_error(baseline, expected) + steps * step
         assert err <= allowed, (f"{name}: max element error {err:.3e} > {FACTOR[dtype]:g} x the plain "
                                 f"{str(dtype).removeprefix('torch.')} implementation's "
-                                f"{max_error(baseline, expected):.3e} + one rounding step {step:.1e}")
+                                f"{max_error(baseline, expected):.3e} + {steps} rounding step(s) of {step:.1e}")
 
 
 def check_backend(backend, q, k, v, mask, do, key_lengths=None, *, scale=None, dlse=None,

@@ -1,11 +1,14 @@
 """``Launcher``: through Triton once per specialisation, then the compiled kernel directly.
 
 No GPU here: a recording stand-in plays the JIT kernel and the compiled kernel it returns. The GPU
-suite (``-m gpu``) runs every real launch through the direct path.
+suite (``-m gpu``) runs every real launch through the direct path, and checks that a first call
+compiles its kernels ahead, on the launchers' threads.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +24,10 @@ class RecordingKernel:
 
     def __init__(self):
         self.log = []
+
+    def warmup(self, *args, grid, **kwargs):
+        time.sleep(0.2)  # a compile: the launch after it must wait for it
+        self.log.append(("warmup", threading.current_thread().name, grid, args, kwargs))
 
     def __getitem__(self, grid):
         def through_triton(*args, **kwargs):
@@ -39,7 +46,8 @@ class RecordingCompiled:
 
 @pytest.fixture
 def launcher(monkeypatch):
-    monkeypatch.setattr(launch, "driver", SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0)))
+    monkeypatch.setattr(launch, "driver", SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0,
+                                                                                 set_current_device=lambda d: None)))
     out = launch.Launcher(RecordingKernel())
     out._direct = True  # the stand-in is no JITFunction
     return out
@@ -76,3 +84,52 @@ def test_interpreted_kernels_always_go_through_triton():
     for _ in range(2):
         _launch(interpreted, x, y)
     assert [entry[0] for entry in interpreted.kernel.log] == ["triton", "triton"]
+
+
+def test_a_launch_waits_for_the_compile_ahead_on_the_launchers_thread(launcher):
+    x, y = torch.randn(64), torch.randn(64)
+    launcher.compile_ahead((3, 2), (launch.Standin(torch.float32, (64,)), y), (64, 0.5),
+                           dict(FLAG=True, num_warps=4, BLOCK=32))
+    _launch(launcher, x, y)
+    ahead, first = launcher.kernel.log
+    assert ahead[0] == "warmup" and ahead[1].startswith("sparseflash-compile")
+    assert ahead[2:] == ((3, 2), (ahead[3][0], y, 64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=32))
+    assert first[0] == "triton"
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 5, 7), (1, 4, 1, 8)], ids=str)
+def test_a_standin_has_the_layout_of_a_new_tensor(shape):
+    standin, tensor = launch.Standin(torch.bfloat16, shape), torch.empty(shape, dtype=torch.bfloat16)
+    assert standin.stride() == tensor.stride()
+    assert standin.element_size() == tensor.element_size()
+    assert standin.data_ptr() % 16 == 0
+
+
+@pytest.mark.gpu
+def test_a_first_call_compiles_forward_and_backward_on_the_compile_threads():
+    import triton
+
+    import sparseflash
+
+    threads = []
+
+    def record(src, **kwargs):
+        threads.append((threading.current_thread().name, src.fn.__name__, sorted(src.attrs.items())))
+
+    salt = float(torch.randint(1, 10**6, ()).item())  # a new score function: kernels not compiled in this process
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + (q_idx - kv_idx) / salt
+
+    q, k, v = (torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    previous = triton.knobs.compilation.listener  # told of every compile, a hit in Triton's disk cache too
+    triton.knobs.compilation.listener = record
+    try:
+        o = sparseflash.attention(q, k, v, "causal", score_mod=score_mod)
+        o.backward(torch.randn_like(o))  # as a model's gradients come: dense (o.sum()'s has stride 0)
+    finally:
+        triton.knobs.compilation.listener = previous
+    assert len(threads) >= 3, threads  # forward, the backward's preprocess and its loops
+    elsewhere = [entry for entry in threads if not entry[0].startswith("sparseflash-compile")]
+    assert not elsewhere, f"compiled on the calling threads: {elsewhere}; ahead: {len(threads) - len(elsewhere)}"
+    assert torch.isfinite(q.grad).all()

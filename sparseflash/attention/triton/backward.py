@@ -33,11 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseflash.attention.triton.launch import Launcher
+from sparseflash.attention.triton.launch import Launcher, Standin
 from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.attention.triton.tiles import (key_tile_scores, listed_block, mma, mod_positions, modded_scores,
                                                row_tile_ranges, tile_start)
-from sparseflash.attention.triton.tuning import KernelConfig, run_tuned
+from sparseflash.attention.triton.tuning import KernelConfig, planned, run_tuned
 
 
 @triton.jit(do_not_specialize=["q_len"])
@@ -372,50 +372,80 @@ PREPROCESS = Launcher(_bwd_preprocess)
 BACKWARD = Launcher(_attn_bwd)
 
 
+def _kernels(plan: LaunchPlan) -> list[tuple[str, int]]:
+    """The tuned kernels of a backward and their PROGRAMS flags: one launch, or dK/dV then dQ."""
+    return [("backward", 0)] if plan.padded_dim >= FUSED_FROM_HEAD_DIM else [("dkdv", 1), ("dq", 2)]
+
+
+def _preprocess(plan: LaunchPlan, o, do, lse, dlse, delta, lse2, stats_stride: int, ahead: bool = False) -> None:
+    """Launch the preprocess (``ahead``: only compile it; every tensor but dlse may be a ``Standin``)."""
+    has_dlse = dlse is not None
+    (PREPROCESS.compile_ahead if ahead else PREPROCESS)(
+        (triton.cdiv(plan.q_len, PREPROCESS_BLOCK_M), plan.batch * plan.heads),
+        (o, do, lse, dlse.contiguous() if has_dlse else lse, delta, lse2),
+        (*o.stride(), *do.stride(), plan.heads, plan.q_len, stats_stride, plan.head_dim),
+        dict(HAS_DLSE=has_dlse, BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM=plan.padded_dim))
+
+
+def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, mods, stats_stride,
+              grads=(), ahead: bool = False):
+    """``launch(cfg)`` of the backward kernel with PROGRAMS ``programs`` (``ahead``: only compile it; the
+    tensors past v may be ``Standin``s); the dK/dV programs add into ``grads``, zeroed first."""
+    tensors = (q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, *plan.tables_of("q")[0], *plan.tables_of("kv")[0],
+               mods)
+    scalars = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(),
+               *plan.tables_of("q")[1], *plan.tables_of("kv")[1], plan.heads, plan.groups, plan.q_len, plan.kv_len,
+               plan.head_dim, plan.qk_scale, plan.scale, stats_stride)
+
+    def launch(cfg: KernelConfig) -> None:
+        key_tiles = triton.cdiv(plan.kv_len, cfg.block_m)
+        query_tiles = plan.groups * triton.cdiv(plan.q_len, cfg.block_m)
+        grid = ((key_tiles + query_tiles, key_tiles, query_tiles)[programs], plan.batch * plan.kv_heads)
+        if programs != 2:  # the dK/dV programs add into the captured tensors' gradients: once per launch
+            for grad in grads:
+                if grad is not None:
+                    grad.zero_()
+        (BACKWARD.compile_ahead if ahead else BACKWARD)(
+            grid, tensors, scalars, plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=plan.score_mod_grads))
+    return launch
+
+
+def _stats_stride(plan: LaunchPlan) -> int:
+    # Rows of delta and lse2 start 64-byte aligned, so that the dK/dV loops' loads of a tile's
+    # values vectorise (with rows at q_len, 4-byte copies: twice Flex's copy instructions per tile).
+    return triton.cdiv(plan.q_len, 16) * 16
+
+
 def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()):
     """``dq, dk, dv`` (dtypes and shapes of q, k, v) for the gradients ``do`` of o and ``dlse`` of
     lse (or None), and the fp32 gradients of the tensors the mask and score functions capture
     (``captures``, as ``plan.captures`` gives them; None for those that do not require grad);
     ``key_lengths`` as ``plan.key_lengths_arg`` gives it."""
-    batch, heads, q_len = plan.batch, plan.heads, plan.q_len
-    # Rows of delta and lse2 start 64-byte aligned, so that the dK/dV loops' loads of a tile's
-    # values vectorise (with rows at q_len, 4-byte copies: twice Flex's copy instructions per tile).
-    stats_stride = triton.cdiv(q_len, 16) * 16
-    delta, lse2 = torch.empty((2, batch * heads, stats_stride), dtype=torch.float32, device=q.device)
-    has_dlse = dlse is not None
-    PREPROCESS((triton.cdiv(q_len, PREPROCESS_BLOCK_M), batch * heads),
-               (o, do, lse, dlse.contiguous() if has_dlse else lse, delta, lse2),
-               (*o.stride(), *do.stride(), heads, q_len, stats_stride, plan.head_dim),
-               dict(HAS_DLSE=has_dlse, BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM=plan.padded_dim))
+    stats_stride = _stats_stride(plan)
+    delta, lse2 = torch.empty((2, plan.batch * plan.heads, stats_stride), dtype=torch.float32, device=q.device)
+    _preprocess(plan, o, do, lse, dlse, delta, lse2, stats_stride)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    (cols, col_strides), (rows, row_strides) = plan.tables_of("q"), plan.tables_of("kv")
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
              if t.requires_grad and t.dtype.is_floating_point else None for t in captures]
-    tensors = (q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, *cols, *rows,
-               plan.mods_table(list(captures), grads))
-    scalars = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *col_strides,
-               *row_strides, heads, plan.groups, q_len, plan.kv_len, plan.head_dim, plan.qk_scale,
-               plan.scale, stats_stride)
-
-    score_mod_grads = plan.score_mod_grads
-
-    def launcher(programs: int):
-        def launch(cfg: KernelConfig) -> None:
-            key_tiles = triton.cdiv(plan.kv_len, cfg.block_m)
-            query_tiles = plan.groups * triton.cdiv(q_len, cfg.block_m)
-            grid = ((key_tiles + query_tiles, key_tiles, query_tiles)[programs], batch * plan.kv_heads)
-            if programs != 2:  # the dK/dV programs add into the captured tensors' gradients: once per launch
-                for grad in grads:
-                    if grad is not None:
-                        grad.zero_()
-            BACKWARD(grid, tensors, scalars, plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=score_mod_grads))
-        return launch
-
-    if plan.padded_dim >= FUSED_FROM_HEAD_DIM:
-        run_tuned("backward", plan.config_key, launcher(0))
-    else:
-        run_tuned("dkdv", plan.config_key, launcher(1))
-        run_tuned("dq", plan.config_key, launcher(2))
+    mods = plan.mods_table(list(captures), grads)
+    for kernel, programs in _kernels(plan):
+        run_tuned(kernel, plan.config_key, _launcher(plan, programs, q, k, v, do, lse2, delta, dq, dk, dv,
+                                                     key_lengths, mods, stats_stride, grads))
     return dq, dk, dv, grads
+
+
+def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
+    """Start compiling the kernels that ``attention_backward`` will launch after a forward on these
+    inputs (contiguous outputs and gradients, no gradient of lse; none where a launch tunes first)."""
+    stats_stride = _stats_stride(plan)
+    out = Standin(q.dtype, q.shape)  # o, do and dq
+    stats = Standin(torch.float32, (plan.batch * plan.heads, stats_stride))
+    _preprocess(plan, out, out, Standin(torch.float32, q.shape[:3]), None, stats, stats, stats_stride, ahead=True)
+    mods = plan.mods_table(list(captures))
+    for kernel, programs in _kernels(plan):
+        cfg = planned(kernel, plan.config_key)
+        if cfg is not None:
+            _launcher(plan, programs, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape),
+                      Standin(v.dtype, v.shape), key_lengths, mods, stats_stride, ahead=True)(cfg)

@@ -20,7 +20,8 @@ Constexpr flags (one kernel body, specialised by the compiler):
 The softmax runs in base 2: scores are scaled by scale * log2(e), the running max m and sum l
 are kept per row and the output is divided by l once at the end; lse = (m + log2 l) * ln 2.
 A row that sees no key keeps m = -inf, l = 0 and stores o = 0, lse = -inf. On Hopper the tuner
-may pick the persistent, warp-specialised forward instead (forward_persistent.py).
+may pick the persistent, warp-specialised forward instead (forward_persistent.py); up to
+``forward_decode.MAX_QUERIES`` query rows (decoding) take the split-KV forward (forward_decode.py).
 """
 
 from __future__ import annotations
@@ -31,34 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseflash.attention.triton import forward_persistent
-from sparseflash.attention.triton.launch import Launcher
+from sparseflash.attention.triton import forward_decode, forward_persistent
+from sparseflash.attention.triton.launch import Launcher, Standin
 from sparseflash.attention.triton.plan import LaunchPlan
-from sparseflash.attention.triton.tiles import (ROW_LENGTH_ARGS, finish_rows, key_tile_scores, listed_block,
-                                               online_softmax_step, row_tile_ranges, tile_start)
-from sparseflash.attention.triton.tuning import KernelConfig, run_tuned
-
-
-@triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-               t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
-               FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
-               APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-               BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
-    """Online softmax over key tiles t_lo..t_hi-1 of one query tile."""
-    # a row of a tile may lose every key to the masks, or to a score function returning -inf
-    MAY_BE_EMPTY: tl.constexpr = APPLY_CAUSAL or APPLY_KV_BOUND or APPLY_MASK_MOD or SCORE_MOD is not None
-    block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
-    for t in range(t_lo, t_hi):
-        offs_kv = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
-        s, _, v, _ = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv,
-                                     offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS, APPLY_CAUSAL,
-                                     APPLY_KV_BOUND, APPLY_MASK_MOD, MASK_MOD, SCORE_MOD, D_PADDED, False,
-                                     DOT_PRECISION, WIDEN_DOTS)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MAY_BE_EMPTY, DOT_PRECISION, WIDEN_DOTS)
-        block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
-    return acc, l_i, m_i
+from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, finish_rows, forward_tiles, row_tile_ranges
+from sparseflash.attention.triton.tuning import KernelConfig, planned, run_tuned
 
 
 @triton.jit(do_not_specialize=ROW_LENGTH_ARGS)
@@ -108,13 +86,13 @@ def _attn_fwd(
         FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, q_start, kv_bound,
         stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
         MASK_KIND, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
-    acc, l_i, m_i = _fwd_tiles(
+    acc, l_i, m_i = forward_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
         0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
         WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD, SCORE_MOD, BLOCK_N, SPARSE_BLOCK_N, D_PADDED,
         DOT_PRECISION, WIDEN_DOTS)
     if part_hi > part_lo:  # rows without partial blocks skip the masked run's set-up and drain
-        acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i = forward_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
             part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
             MODS, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD, SCORE_MOD, BLOCK_N,
@@ -130,27 +108,45 @@ def _attn_fwd(
 FORWARD = Launcher(_attn_fwd)
 
 
+def _launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mods: torch.Tensor,
+            ahead: bool = False) -> KernelConfig | None:
+    """Launch the forward with ``cfg`` (``ahead``: only compile what that launch needs; o and lse may be
+    ``Standin``s). Configs with ``persistent`` go to forward_persistent.py where the tensors' layouts
+    allow, else to this kernel with the same tiles; returns the config that ran where it is not cfg."""
+    if cfg.persistent:
+        if forward_persistent.launch(plan, cfg, q, k, v, o, lse, mods, ahead):
+            return None
+        cfg = dataclasses.replace(cfg, persistent=False)  # a layout TMA cannot read
+    tables, table_strides = plan.tables_of("kv")
+    (FORWARD.compile_ahead if ahead else FORWARD)(
+        (triton.cdiv(plan.q_len, cfg.block_m), plan.batch * plan.heads), (q, k, v, o, lse, key_lengths, *tables, mods),
+        (*q.stride(), *k.stride(), *v.stride(), *o.stride(), *table_strides, plan.heads, plan.groups,
+         plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale), plan.constexprs(cfg))
+    return cfg
+
+
+def _kernel(plan: LaunchPlan):
+    """The tuned kernel's name and launch function for ``plan``'s shapes."""
+    return ("decode", forward_decode.launch) if forward_decode.applies(plan) else ("forward", _launch)
+
+
 def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
                       captures=()) -> tuple[torch.Tensor, torch.Tensor]:
     """``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32; ``key_lengths`` as
-    ``plan.key_lengths_arg`` gives it. Configs with ``persistent`` go to forward_persistent.py where
-    the tensors' layouts allow, else to this kernel with the same tiles."""
+    ``plan.key_lengths_arg`` gives it."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    tables, table_strides = plan.tables_of("kv")
     mods = plan.mods_table(list(captures))
-    tensors = (q, k, v, o, lse, key_lengths, *tables, mods)
-    scalars = (*q.stride(), *k.stride(), *v.stride(), *o.stride(), *table_strides, plan.heads, plan.groups,
-               plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale)
-
-    def launch(cfg: KernelConfig) -> KernelConfig | None:
-        if cfg.persistent:
-            if forward_persistent.launch(plan, cfg, q, k, v, o, lse, mods):
-                return None
-            cfg = dataclasses.replace(cfg, persistent=False)  # a layout TMA cannot read
-        FORWARD((triton.cdiv(plan.q_len, cfg.block_m), plan.batch * plan.heads), tensors, scalars,
-                plan.constexprs(cfg))
-        return cfg
-
-    run_tuned("forward", plan.config_key, launch)
+    name, launch = _kernel(plan)
+    run_tuned(name, plan.config_key, lambda cfg: launch(plan, cfg, q, k, v, o, lse, key_lengths, mods))
     return o, lse
+
+
+def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
+    """Start compiling the forward kernels that ``attention_forward`` on these inputs will launch (none
+    where that launch tunes first)."""
+    name, launch = _kernel(plan)
+    cfg = planned(name, plan.config_key)
+    if cfg is not None:
+        launch(plan, cfg, q, k, v, Standin(q.dtype, q.shape), Standin(torch.float32, q.shape[:3]), key_lengths,
+               plan.mods_table(list(captures)), ahead=True)

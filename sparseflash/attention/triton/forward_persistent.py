@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseflash.attention.triton.launch import Launcher, interpreting
+from sparseflash.attention.triton.launch import Launcher, interpreting, multiprocessors
 from sparseflash.attention.triton.tiles import (ROW_LENGTH_ARGS, finish_rows, listed_block, mma, modded_scores,
                                                online_softmax_step, row_tile_ranges, tile_start)
 from sparseflash.masks import BlockMask, MaskKind
@@ -33,7 +33,6 @@ from sparseflash.masks import BlockMask, MaskKind
 PERSISTENT_LENGTH_ARGS = [*ROW_LENGTH_ARGS, "q_rows", "k_rows", "v_rows", "o_rows", "n_tiles"]
 TILE_ROWS = 128  # the query rows of its tiles, whatever the config: DENSE/CAUSAL lengths must divide it
 MAX_HEAD_DIM = 128  # larger heads do not fit its shared memory
-INTERPRETER_PROGRAMS = 3  # programs under the interpreter: several tiles each
 
 
 @triton.jit
@@ -57,8 +56,8 @@ def _fwd_tiles_tma(acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col,
                    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    WIDEN_DOTS: tl.constexpr):
-    """``_fwd_tiles`` over tiles 0..t_hi-1 for the persistent forward: K and V through the ``row_view``
-    descriptors, no bounds; the causal predicate and MASK_MOD on every tile."""
+    """``tiles.forward_tiles`` over tiles 0..t_hi-1 for the persistent forward: K and V through the
+    ``row_view`` descriptors, no bounds; the causal predicate and MASK_MOD on every tile."""
     MASKED: tl.constexpr = APPLY_CAUSAL or MASK_MOD is not None
     MAY_BE_EMPTY: tl.constexpr = MASKED or SCORE_MOD is not None  # a score function may return -inf
     for t in tl.range(0, t_hi):
@@ -222,13 +221,6 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return buffer
 
 
-@functools.lru_cache(maxsize=None)
-def _programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _scalars(plan, q, k, v, o) -> tuple | None:
     """The kernel's scalars up to n_tiles: the (batch, head, row) strides and ``row_view_rows`` of
     q, k, v, o, the table strides, heads, groups and lengths; None where TMA cannot read a layout.
@@ -244,22 +236,26 @@ def _scalars(plan, q, k, v, o) -> tuple | None:
     return per_layout[layout]
 
 
-def launch(plan, cfg, q, k, v, o, lse, mods: torch.Tensor) -> bool:
+def launch(plan, cfg, q, k, v, o, lse, mods: torch.Tensor, ahead: bool = False) -> bool:
     """Launch the persistent forward with ``cfg`` on a problem ``mode`` admits (``mods``: the MODS
-    table); False (nothing launched) where TMA cannot read one of the tensors' layouts."""
+    table; ``ahead``: only compile what that launch needs); False (nothing launched) where TMA cannot
+    read one of the tensors' layouts."""
     scalars = _scalars(plan, q, k, v, o)
     if scalars is None:
         return False
-    programs = _programs(q.device)
+    programs = multiprocessors(q.device)
     n_tiles = plan.batch * plan.heads * (plan.q_len // cfg.block_m)
     every_tile = plan.has_partial_tiles  # SPARSE only: DENSE and CAUSAL tables are placeholders
     tables = plan.tables_of("all" if every_tile else "kv")[0][:2]
+    arguments = ((min(n_tiles, programs),), (q, k, v, o, lse, *tables, mods), (*scalars, n_tiles, plan.qk_scale),
+                 plan.constexprs(cfg, NUM_PROGRAMS=programs, MASK_EVERY_TILE=every_tile))
+    if ahead:
+        FORWARD_PERSISTENT.compile_ahead(*arguments)
+        return True
 
     def run():  # Triton's allocator set in a copy of the caller's context: one the caller set stays
         triton.set_allocator(_scratch)
-        FORWARD_PERSISTENT((min(n_tiles, programs),), (q, k, v, o, lse, *tables, mods),
-                           (*scalars, n_tiles, plan.qk_scale),
-                           plan.constexprs(cfg, NUM_PROGRAMS=programs, MASK_EVERY_TILE=every_tile))
+        FORWARD_PERSISTENT(*arguments)
 
     contextvars.copy_context().run(run)
     return True

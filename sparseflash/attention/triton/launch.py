@@ -5,11 +5,19 @@ renders its options to a string for the cache key: 40-80 µs of host time for ou
 arguments on an H100 host's CPU, where a whole forward+backward at S=1024 keeps the GPU busy
 for ~0.6 ms (docs/kernels.md, "Host time"). ``Launcher`` goes through Triton once per
 specialisation, keeps the compiled kernel it returns, and then launches that kernel directly.
+
+A kernel's first launch compiles it (seconds on an H100). ``Launcher.compile_ahead`` compiles what
+a launch will need on a thread of the launcher's own, so that the forward and the backward kernels
+of a first call compile at the same time (Triton releases the GIL while LLVM and ptxas run) instead
+of one after the other; outputs not allocated yet are given as ``Standin``s.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from triton.compiler import CompiledKernel
@@ -22,6 +30,35 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+INTERPRETER_MULTIPROCESSORS = 3  # what the kernels size their grids by under the interpreter
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessors (programs that run at once, for grids sized by it)."""
+    if device.type != "cuda":
+        return INTERPRETER_MULTIPROCESSORS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class Standin:
+    """An output tensor that is not allocated yet, as far as compiling a kernel that takes it needs:
+    its dtype, shape and contiguous strides, and an address as aligned as torch's allocations."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]):
+        self.dtype, self.shape = dtype, tuple(shape)
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    @staticmethod
+    def data_ptr() -> int:
+        return 0
+
+
 class Launcher:
     """Launches one ``@triton.jit`` kernel whose arguments are its tensors first, then its scalars,
     then its constexprs (keyword arguments, with ``num_warps`` and ``num_stages``). Under the
@@ -32,6 +69,10 @@ class Launcher:
         self.kernel = kernel
         self._direct = isinstance(kernel, JITFunction)
         self._compiled: dict[tuple, tuple[CompiledKernel, tuple]] = {}
+        # Compiles ahead run in turn on one thread per launcher: two at once into one Triton
+        # function could race on its cache of compiled specialisations.
+        self._compiler: ThreadPoolExecutor | None = None
+        self._ahead: list[Future] = []
 
     def __call__(self, grid: tuple[int, ...], tensors: tuple[torch.Tensor, ...], scalars: tuple,
                  constexprs: dict) -> None:
@@ -50,6 +91,34 @@ class Launcher:
             compiled, constexpr_values = entry
             compiled[(*grid, 1, 1)[:3]](*tensors, *scalars, *constexpr_values)  # it takes a 3-D grid only
             return
+        for future in self._ahead:  # a compile ahead may be making this very specialisation
+            future.exception()
+        self._ahead.clear()
         compiled = self.kernel[grid](*tensors, *scalars, **constexprs)
         names = self.kernel.arg_names[len(tensors) + len(scalars):]
         self._compiled[key] = compiled, tuple(constexprs[name] for name in names)
+
+    def compile_ahead(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> None:
+        """Start compiling, on the launcher's thread, the kernel that a launch with these arguments
+        needs (``tensors`` may hold ``Standin``s). The launch waits for it; a compile that fails is
+        left for the launch to repeat and report."""
+        if not self._direct:
+            return
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparseflash-compile")
+        # Triton (3.6) hashes a function and the functions it calls lazily and without a lock: two
+        # threads doing it at once can see each other's placeholder and compile under keys that no
+        # later launch looks up. Hash here, on the calling thread, before any compile thread runs.
+        for fn in (self.kernel, *constexprs.values()):
+            if isinstance(fn, JITFunction):
+                fn.cache_key  # noqa: B018 (computed and kept by the property)
+        device = driver.active.get_current_device()  # the thread's own starts at device 0
+
+        def compile_on_device():
+            driver.active.set_current_device(device)
+            compiled = self.kernel.warmup(*tensors, *scalars, grid=grid, **constexprs)
+            # Loading the module and building the launch stub (a C compile where Triton's cache
+            # lacks it) happen at the first launch otherwise: 0.3-0.5 s each on an H100 host.
+            getattr(compiled, "_init_handles", lambda: None)()
+
+        self._ahead.append(self._compiler.submit(compile_on_device))

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from sparseflash.attention.triton.backward import attention_backward
-from sparseflash.attention.triton.forward import attention_forward
+from sparseflash.attention.triton.backward import attention_backward, compile_backward_ahead
+from sparseflash.attention.triton.forward import attention_forward, compile_forward_ahead
+from sparseflash.attention.triton.launch import interpreting
 from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.masks import BlockMask
 from sparseflash.masks.functions import Graph, trace
@@ -25,6 +26,23 @@ def triton_backward(q, k, v, o, lse, do, dlse, plan: LaunchPlan, key_lengths, sc
                                            plan.key_lengths_arg(key_lengths), plan, captures)
     score_part = slice(len(plan.mask_captures), None)  # a mask_mod's captured tensors get no gradient
     return dq, dk, dv, [g.to(t.dtype) for g, t in zip(grads[score_part], captures[score_part]) if g is not None]
+
+
+def compile_ahead(q, k, v, plan: LaunchPlan, key_lengths, score_graph: Graph | None, backward: bool) -> None:
+    """On the first call of a plan with these layouts, start compiling the forward kernels (and with
+    ``backward`` the backward's) on background threads, so that they compile at once, not one after the
+    other (Triton holds the GIL in parts of a compile, so they overlap partly). Only on the GPU."""
+    if interpreting() or q.device.type != "cuda":
+        return
+    seen = plan.per_layout.setdefault("compiled_ahead", set())
+    layout = (q.stride(), k.stride(), v.stride(), backward)
+    if layout in seen:
+        return
+    seen.add(layout)
+    captures, lengths = plan.captures(score_graph), plan.key_lengths_arg(key_lengths)
+    if backward:  # first: it takes longest, and the compiles hold the GIL in turns
+        compile_backward_ahead(q, k, v, lengths, plan, captures)
+    compile_forward_ahead(q, k, v, lengths, plan, captures)
 
 
 class TritonAttentionFunction(torch.autograd.Function):
@@ -54,4 +72,6 @@ def triton_attention(q, k, v, mask: BlockMask, key_lengths, scale: float, score_
     score_graph = trace(score_mod, "score_mod") if score_mod is not None else None
     plan = LaunchPlan.of(q, k, mask, key_lengths is not None, scale, score_graph)
     trained = score_graph.trained if score_graph is not None else []
+    compile_ahead(q, k, v, plan, key_lengths, score_graph,
+                  torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *trained)))
     return TritonAttentionFunction.apply(q, k, v, plan, key_lengths, score_graph, *trained)

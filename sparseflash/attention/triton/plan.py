@@ -46,6 +46,8 @@ class LaunchPlan:
         self.padded_dim = max(16, triton.next_power_of_2(self.head_dim))
         self.has_key_lengths = has_key_lengths
         self.kind, self.causal, self.sparse_block = mask.kind, mask.causal, mask.block_size
+        self.mean_row_keys = max(1.0, mask.mean_row_blocks) * mask.block_size[1]  # keys a query row walks
+        self.layout_heads = mask.num_heads if mask.kind is MaskKind.SPARSE else 1  # 1: shared by the heads
         # fp32 inputs use TF32 tensor-core dots on the GPU (exact IEEE in the interpreter)
         self.dot_precision = "tf32" if q.dtype is torch.float32 and not interpreting() else "ieee"
         self._placeholder = torch.empty(1, dtype=torch.int32, device=q.device)  # for absent tensors

@@ -202,3 +202,26 @@ def finish_rows(acc, l_i, m_i):
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln 2
     return acc / l_safe[:, None], lse
+
+
+@triton.jit
+def forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
+               FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
+               APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+               BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
+    """Online softmax over key tiles t_lo..t_hi-1 of one query tile (the forward kernels' loop). ``offs_m``
+    are the rows' query positions and ``h`` their head: a scalar, or a column of one head per row."""
+    # a row of a tile may lose every key to the masks, or to a score function returning -inf
+    MAY_BE_EMPTY: tl.constexpr = APPLY_CAUSAL or APPLY_KV_BOUND or APPLY_MASK_MOD or SCORE_MOD is not None
+    block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
+    for t in range(t_lo, t_hi):
+        offs_kv = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
+        s, _, v, _ = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv,
+                                     offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS, APPLY_CAUSAL,
+                                     APPLY_KV_BOUND, APPLY_MASK_MOD, MASK_MOD, SCORE_MOD, D_PADDED, False,
+                                     DOT_PRECISION, WIDEN_DOTS)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MAY_BE_EMPTY, DOT_PRECISION, WIDEN_DOTS)
+        block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
+    return acc, l_i, m_i

@@ -20,10 +20,11 @@ do), for DENSE and CAUSAL: the EVEN_LENGTHS variant (forward.py). Under the inte
 (``TRITON_INTERPRET=1``) one small tile is the only candidate: it keeps the CPU tests fast and
 exercises several tiles per mask block.
 
-The public API: ``run_tuned`` (the kernels' launchers call it), ``tuned`` (tune new keys inside a
-block), ``choice`` (the config a key would launch with, without launching), ``pin`` (fix a key's
-config), ``forget`` (drop this process's choices) and ``recording`` (which configs the kernels
-launched inside a block, with a way to launch each again with another config: the benchmark,
+The public API: ``run_tuned`` (the kernels' launchers call it), ``planned`` (the config the next
+launch will take, for compiling it ahead), ``tuned`` (tune new keys inside a block), ``choice`` (the
+config a key would launch with, as found so far, without launching), ``pin`` (fix a key's config),
+``forget`` (drop this process's choices) and ``recording`` (which configs the kernels launched
+inside a block, with a way to launch each again with another config: the benchmark,
 ``scripts/build_config_table.py`` and ``scripts/kernel_probe.py`` use it).
 """
 
@@ -104,6 +105,13 @@ CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
         128: _configs((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 2), (64, 64, 4, 3),
                       (64, 64, 4, 2), (64, 128, 4, 2)),
         256: _configs((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
+    },
+    # split-KV forward for <= 16 query rows (forward.py): the query tile is as small as a dot takes, and
+    # the key tiles stream K and V, which bound its time
+    "decode": {
+        64: _configs((16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 3), (16, 32, 4, 3)),
+        128: _configs((16, 64, 4, 3), (16, 128, 8, 2), (16, 128, 4, 2), (16, 32, 4, 3)),
+        256: _configs((16, 64, 4, 2), (16, 32, 4, 2)),
     },
     "dq": {64: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2))},
     "dkdv": {64: _configs((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2))},
@@ -338,18 +346,26 @@ def tuning_requested() -> bool:
     return bool(_tuning_blocks) or os.environ.get("SPARSEFLASH_TUNE", "0") == "1"
 
 
-def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], Optional[KernelConfig]]) -> KernelConfig:
-    """Launch ``kernel`` with its config for ``key`` (the module docstring says which) and return the
-    config it ran with: ``launch(cfg)`` returns another config where it had to fall back, else None."""
+def planned(kernel: str, key: ConfigKey) -> Optional[KernelConfig]:
+    """The config that ``kernel``'s next launch for ``key`` will run with, or None where that launch
+    tunes first."""
     cfg = choice(kernel, key)
     if cfg is None:
         options = candidates(kernel, key)
         if len(options) > 1 and tuning_requested():
-            cfg = _tune(launch, options)
-            _save_choice(f"{kernel}|{key}", cfg)
-        else:
-            cfg = from_table(kernel, key, options) or options[0]
-        _chosen[kernel, key] = cfg
+            return None
+        cfg = from_table(kernel, key, options) or options[0]
+    return cfg
+
+
+def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], Optional[KernelConfig]]) -> KernelConfig:
+    """Launch ``kernel`` with its config for ``key`` (the module docstring says which) and return the
+    config it ran with: ``launch(cfg)`` returns another config where it had to fall back, else None."""
+    cfg = planned(kernel, key)
+    if cfg is None:
+        cfg = _tune(launch, candidates(kernel, key))
+        _save_choice(f"{kernel}|{key}", cfg)
+    _chosen[kernel, key] = cfg
     used = launch(cfg) or cfg
     for launched in list(_recorders):
         launched.append(Launched(kernel, key, used, launch))

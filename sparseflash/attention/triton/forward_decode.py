@@ -1,0 +1,212 @@
+"""The split-KV forward ("flash-decoding") for a few query rows against long keys.
+
+Decoding asks for 1 to 16 new queries against a cache of thousands of keys. The forward of forward.py
+then runs one program per (query tile, head) whose tile is mostly empty rows, with few programs
+for the GPU and each streaming its head's whole K and V, once per query head of a GQA group. Here:
+
+- a program holds the query rows of ``PACK`` heads that share a K/V head (the whole GQA group, or one
+  head where the mask's layout differs per head), so that K and V are read once per group;
+- the key tiles of each row are split into ``splits`` equal shares, one program each (the grid's third
+  axis), so that a few heads fill the GPU; each share's o and lse go to fp32 partial buffers, and
+  ``_combine_splits`` merges them (lse = log sum exp lse_s, o = sum exp(lse_s - lse) o_s).
+
+Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N,
+SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS,
+MASK_MOD, SCORE_MOD), and
+  PACK      heads per program; row r of its tile is query r % q_len of head r // q_len of the pack.
+  SPLIT     the program stores its share into the partial buffers (splits > 1), else o and lse.
+The queries fit in one mask block (MAX_QUERIES is the smallest block), so every row of a program
+walks the same row of the mask's tables: its first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparseflash.attention.triton.launch import Launcher, Standin, multiprocessors
+from sparseflash.attention.triton.plan import LaunchPlan
+from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, finish_rows, forward_tiles, row_tile_ranges
+from sparseflash.attention.triton.tuning import KernelConfig
+
+MAX_QUERIES = 16  # query rows up to which a forward takes this kernel: no more than a mask block's (>= 16)
+
+
+@triton.jit
+def _split_share(full_hi, part_lo, part_hi, split, splits):
+    """Split ``split``'s share of a row's tiles, which run [0, full_hi) unmasked then [part_lo, part_hi)
+    masked: the same runs cut to the share's tiles."""
+    share = tl.cdiv(full_hi + part_hi - part_lo, splits)
+    lo, hi = split * share, (split + 1) * share
+    n_part = part_hi - part_lo
+    return (tl.minimum(lo, full_hi), tl.minimum(hi, full_hi),
+            part_lo + tl.minimum(tl.maximum(lo - full_hi, 0), n_part),
+            part_lo + tl.minimum(tl.maximum(hi - full_hi, 0), n_part))
+
+
+@triton.jit(do_not_specialize=[*ROW_LENGTH_ARGS, "splits", "stride_lse_split"])
+def _attn_fwd_decode(
+    Q, K, V, O, LSE, KEY_LENGTHS,
+    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
+    heads, groups, q_len, kv_len, head_dim, qk_scale, splits, stride_o_split, stride_lse_split,
+    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    PACK: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Grid (row tiles of PACK * q_len rows, batch x heads / PACK, splits)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bp = tl.program_id(1)
+    packs = heads // PACK
+    b = bp // packs
+    first_head = (bp % packs) * PACK
+    rows_in = rows < PACK * q_len
+    h = first_head + tl.where(rows_in, rows // q_len, 0)  # each row's head and query position
+    offs_m = rows % q_len
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q_ptrs = Q + b * stride_qb + h[:, None] * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=rows_in[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+    kv_head = first_head // groups  # every head of a pack reads the same K/V head
+    k_base = K + b * stride_kb + kv_head * stride_kh
+    v_base = V + b * stride_vb + kv_head * stride_vh
+
+    kv_bound = kv_len
+    if HAS_KEY_LENGTHS:
+        kv_bound = tl.minimum(kv_bound, tl.load(KEY_LENGTHS + b).to(tl.int32))
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    WALK_TABLES: tl.constexpr = MASK_KIND == 2
+    FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
+    PART_NEEDS_BOUND: tl.constexpr = HAS_KEY_LENGTHS or not EVEN_LENGTHS
+    # the rows' tile ranges from query 0, with the tile as tall as BLOCK_M >= q_len; the head of a
+    # table lookup is the pack's first (PACK > 1 only where the layout is shared by the heads)
+    full_idx, full_hi, part_idx, part_lo, part_hi = row_tile_ranges(
+        FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, first_head, 0, kv_bound,
+        stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
+        MASK_KIND, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
+    full_lo = 0
+    if SPLIT:
+        split = tl.program_id(2)
+        full_lo, full_hi, part_lo, part_hi = _split_share(full_hi, part_lo, part_hi, split, splits)
+        O += split * stride_o_split
+        LSE += split * stride_lse_split
+    row_heads = h[:, None]
+    acc, l_i, m_i = forward_tiles(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        full_lo, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, row_heads, q_len, kv_len,
+        MODS, WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD, SCORE_MOD, BLOCK_N, SPARSE_BLOCK_N, D_PADDED,
+        DOT_PRECISION, WIDEN_DOTS)
+    if part_hi > part_lo:
+        acc, l_i, m_i = forward_tiles(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, row_heads, q_len,
+            kv_len, MODS, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD, SCORE_MOD, BLOCK_N,
+            SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+
+    o, lse = finish_rows(acc, l_i, m_i)
+    o_ptrs = O + b * stride_ob + h[:, None] * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=rows_in[:, None] & (offs_d[None, :] < head_dim))
+    tl.store(LSE + (b * heads + h) * q_len + offs_m, lse, mask=rows_in)
+
+
+@triton.jit(do_not_specialize=["q_len", "splits", "stride_lse_split"])
+def _combine_splits(O_PART, LSE_PART, O, LSE, splits, q_len, head_dim, stride_part_split, stride_lse_split,
+                    stride_pb, stride_ph, stride_pm, stride_ob, stride_oh, stride_om, stride_od, heads,
+                    SPLITS_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """o and lse of query row program_id(0) of head program_id(1) from the splits' o_s and lse_s (fp32):
+    lse = log sum_s exp(lse_s) and o = sum_s exp(lse_s - lse) o_s; a row no split saw gets 0 and -inf.
+    SPLITS_BLOCK splits at a time: their loads are issued together (one after the other, a merge of 64
+    splits took ~60 µs of load latency)."""
+    row = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    offs_s = tl.arange(0, SPLITS_BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse_ptrs = LSE_PART + bh * q_len + row
+    part_ptrs = O_PART + b * stride_pb + h * stride_ph + row * stride_pm + offs_d[None, :]
+    m = float("-inf")
+    weight_sum = 0.0
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for first in range(0, splits, SPLITS_BLOCK):
+        in_split = first + offs_s < splits
+        lse_s = tl.load(lse_ptrs + (first + offs_s) * stride_lse_split, mask=in_split, other=float("-inf"))
+        o_s = tl.load(part_ptrs + (first + offs_s)[:, None] * stride_part_split,
+                      mask=in_split[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+        m_new = tl.maximum(m, tl.max(lse_s, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split has seen the row yet
+        weight = tl.exp(lse_s - m_ref)
+        alpha = tl.exp(m - m_ref)
+        weight_sum = weight_sum * alpha + tl.sum(weight, 0)
+        acc = acc * alpha + tl.sum(weight[:, None] * o_s, 0)
+        m = m_new
+    seen = weight_sum > 0.0
+    safe_sum = tl.where(seen, weight_sum, 1.0)
+    o_ptrs = O + b * stride_ob + h * stride_oh + row * stride_om + offs_d * stride_od
+    tl.store(o_ptrs, (acc / safe_sum).to(O.dtype.element_ty), mask=offs_d < head_dim)
+    tl.store(LSE + bh * q_len + row, tl.where(seen, m + tl.log(safe_sum), float("-inf")))
+
+
+# ---------------------------------------------------------------------------------- launcher
+DECODE = Launcher(_attn_fwd_decode)
+COMBINE = Launcher(_combine_splits)
+COMBINE_SPLITS = 64  # splits a merge program loads at once
+SPLIT_WAVES = 4  # split until the grid holds this many programs per multiprocessor,
+SPLIT_MIN_TILES = 4  # while each split keeps at least this many key tiles (a split costs a merge),
+MAX_SPLITS = 128  # and into no more than this many splits
+
+
+def applies(plan: LaunchPlan) -> bool:
+    """Whether a forward with ``plan`` takes this kernel: up to MAX_QUERIES query rows."""
+    return plan.q_len <= MAX_QUERIES
+
+
+def pack(plan: LaunchPlan) -> int:
+    """Heads per program: the GQA group where every head walks the same mask tables, else 1."""
+    return plan.groups if plan.layout_heads == 1 else 1
+
+
+def splits(plan: LaunchPlan, cfg: KernelConfig, device: torch.device) -> int:
+    """How many shares each row's key tiles are split into with ``cfg`` (1: no split)."""
+    programs = plan.batch * plan.heads // pack(plan) * triton.cdiv(pack(plan) * plan.q_len, cfg.block_m)
+    row_tiles = plan.mean_row_keys / cfg.block_n
+    wanted = triton.cdiv(SPLIT_WAVES * multiprocessors(device), programs)
+    return max(1, min(MAX_SPLITS, wanted, int(row_tiles // SPLIT_MIN_TILES)))
+
+
+def launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mods: torch.Tensor,
+           ahead: bool = False) -> None:
+    """Launch the split-KV forward with ``cfg`` into o and lse (``ahead``: only compile what that launch
+    needs; o and lse may be ``Standin``s)."""
+    n_splits, heads_per_program = splits(plan, cfg, q.device), pack(plan)
+    out, out_lse, split_strides = o, lse, (0, 0)
+    if n_splits > 1:  # the shares' o and lse, merged below
+        shapes = ((n_splits, *q.shape), (n_splits, *q.shape[:3]))
+        out, out_lse = ([Standin(torch.float32, shape) for shape in shapes] if ahead
+                        else [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in shapes])
+        split_strides = out.stride()[0], out_lse.stride()[0]
+    tables, table_strides = plan.tables_of("kv")
+    grid = (triton.cdiv(heads_per_program * plan.q_len, cfg.block_m), plan.batch * plan.heads // heads_per_program,
+            n_splits)
+    (DECODE.compile_ahead if ahead else DECODE)(
+        grid, (q, k, v, out, out_lse, key_lengths, *tables, mods),
+        (*q.stride(), *k.stride(), *v.stride(), *out.stride()[-4:], *table_strides, plan.heads, plan.groups,
+         plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale, n_splits, *split_strides),
+        plan.constexprs(cfg, PACK=heads_per_program, SPLIT=n_splits > 1))
+    if n_splits > 1:
+        (COMBINE.compile_ahead if ahead else COMBINE)(
+            (plan.q_len, plan.batch * plan.heads), (out, out_lse, o, lse),
+            (n_splits, plan.q_len, plan.head_dim, *split_strides, *out.stride()[1:4], *o.stride(), plan.heads),
+            dict(SPLITS_BLOCK=min(COMBINE_SPLITS, triton.next_power_of_2(n_splits)), HEAD_DIM=plan.padded_dim))
