@@ -69,8 +69,28 @@ def test_derived_columns_recomputed(tiny_run):
         assert _close(r[f"speedup_vs_{peer}"], ok[(mode, s, label, peer)]["median_ms"] / r["median_ms"], 1e-6)
         assert r["check_against"] == "reference" and r["check_err"] < 1e-4
         assert r["first_call_ms"] > 0 and math.isnan(r["peak_mem_mb"])  # not measured on CPU
+        assert r["compiled_kernels"] == r["cached_kernels"] == r["dynamo_graphs"] == 0  # PyTorch's own ops
         expected = attention_flops(r["batch"], r["heads"], s, s, 16, r["density"], mode)
         assert _close(r["flops"], expected)
+
+
+def test_compile_counts_count_graphs_and_triton_compiles():
+    import triton
+
+    from sparseflash.bench.measure import compile_counts
+
+    heard = []
+    triton.knobs.compilation.listener = lambda **kwargs: heard.append(kwargs["cache_hit"])
+    try:
+        with compile_counts() as counts:
+            torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.randn(5))
+            for cache_hit in (False, True, False):  # what Triton's compiler tells its listener
+                triton.knobs.compilation.listener(src=None, metadata=None, metadata_group=None, times=None,
+                                                  cache_hit=cache_hit)
+        assert counts == {"compiled_kernels": 2, "cached_kernels": 1, "dynamo_graphs": 1}
+        assert heard == [False, True, False]  # a listener set before is still told
+    finally:
+        triton.knobs.compilation.listener = None
 
 
 def test_flop_count_by_hand():

@@ -10,6 +10,7 @@ call (inputs included); on CPU it is not measured (NaN).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -51,6 +52,38 @@ def run_once(fwd, mode, q, k, v, do):
             return fwd(), None
     o = fwd()
     return o, torch.autograd.grad(o, (q, k, v), do)
+
+
+@contextlib.contextmanager
+def compile_counts():
+    """``with compile_counts() as counts:`` what the calls inside the block compiled, in ``counts``:
+    ``compiled_kernels`` (Triton kernels compiled: sparseflash's and those Inductor generates),
+    ``cached_kernels`` (Triton kernels found in Triton's disk cache) and ``dynamo_graphs`` (graphs
+    torch.compile captured). Triton's counts are 0 where nothing runs through Triton's compiler (its
+    interpreter, PyTorch's own kernels)."""
+    counts = {"compiled_kernels": 0, "cached_kernels": 0, "dynamo_graphs": 0}
+    try:
+        import triton
+        knobs = triton.knobs.compilation
+    except (ImportError, AttributeError):  # no Triton, or one without compile listeners
+        knobs = None
+    previous = knobs.listener if knobs is not None else None
+
+    def listen(*, cache_hit, **kwargs):
+        counts["cached_kernels" if cache_hit else "compiled_kernels"] += 1
+        if previous is not None:
+            previous(cache_hit=cache_hit, **kwargs)
+
+    from torch._dynamo.utils import counters
+    graphs_before = counters["stats"]["unique_graphs"]
+    if knobs is not None:
+        knobs.listener = listen
+    try:
+        yield counts
+    finally:
+        if knobs is not None:
+            knobs.listener = previous
+        counts["dynamo_graphs"] = counters["stats"]["unique_graphs"] - graphs_before
 
 
 def synchronize(device: torch.device) -> None:

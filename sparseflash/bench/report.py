@@ -81,7 +81,8 @@ def _number(text: str):
 
 
 NUMERIC = {"head_dim", "seq_len", "kv_len", "batch", "heads", "kv_heads", "block", "density", "flops", "median_ms",
-           "p20_ms", "p80_ms", "repeats", "first_call_ms", "tflops", "speedup_vs_dense", "check_err", "peak_mem_mb"}
+           "p20_ms", "p80_ms", "repeats", "first_call_ms", "compiled_kernels", "cached_kernels", "dynamo_graphs",
+           "tflops", "speedup_vs_dense", "check_err", "peak_mem_mb"}
 
 
 def _with_shape(row: dict) -> dict:
@@ -158,7 +159,7 @@ def markdown(rows: list[dict], backends: list[str] | None = None, full: bool = F
     if full:
         cols = ["mode", "head_dim", "dtype", "shape", "batch", "pattern_label", "density", "backend", "impl",
                 "status", "median_ms", "p20_ms", "p80_ms", "tflops", "speedup_vs_dense", "first_call_ms",
-                "peak_mem_mb", "check_against", "check_err"]
+                "compiled_kernels", "cached_kernels", "dynamo_graphs", "peak_mem_mb", "check_against", "check_err"]
         cols += [c for c in columns(rows) if c.startswith("speedup_vs_") and c != "speedup_vs_dense"]
         lines += ["", "### All rows", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in rows:

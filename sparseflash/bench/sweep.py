@@ -93,9 +93,10 @@ def prepare_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: Bloc
         return None
     try:
         fwd = backend.build(q, k, v, mask, ctx, score_mod)
-        with _kernel_configs(row):
+        with _kernel_configs(row), measure.compile_counts() as counts:
             (o, dgrads), row["first_call_ms"] = measure.wall_ms(lambda: measure.run_once(fwd, mode, q, k, v, do),
                                                                 ctx.device)
+        row.update(counts)
         if cfg.check.enabled:
             against, expected = trusted.get(backend_name)
             row["check_against"] = against
@@ -206,7 +207,8 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
                             "status": "", "reason": "",
                             "flops": attention_flops(batch, heads, seq_len, shape.kv_len, head_dim, density, mode),
                             "median_ms": math.nan, "p20_ms": math.nan, "p80_ms": math.nan,
-                            "repeats": math.nan, "first_call_ms": math.nan, "tflops": math.nan,
+                            "repeats": math.nan, "first_call_ms": math.nan, "compiled_kernels": math.nan,
+                            "cached_kernels": math.nan, "dynamo_graphs": math.nan, "tflops": math.nan,
                             "speedup_vs_dense": math.nan, "check_against": "", "check_err": math.nan,
                             "peak_mem_mb": math.nan, "kernel_configs": "",
                         }
