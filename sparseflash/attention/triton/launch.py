@@ -8,8 +8,8 @@ specialisation, keeps the compiled kernel it returns, and then launches that ker
 
 A kernel's first launch compiles it (seconds on an H100). ``Launcher.compile_ahead`` compiles what
 a launch will need on a thread of the launcher's own, so that the forward and the backward kernels
-of a first call compile at the same time (Triton releases the GIL while LLVM and ptxas run) instead
-of one after the other; outputs not allocated yet are given as ``Standin``s.
+of a first call compile at the same time instead of one after the other (they overlap where the
+GIL is free: ptxas, parts of Triton's compiler); outputs not allocated yet are given as ``Standin``s.
 """
 
 from __future__ import annotations
@@ -91,9 +91,10 @@ class Launcher:
             compiled, constexpr_values = entry
             compiled[(*grid, 1, 1)[:3]](*tensors, *scalars, *constexpr_values)  # it takes a 3-D grid only
             return
-        for future in self._ahead:  # a compile ahead may be making this very specialisation
+        waited = list(self._ahead)  # a compile ahead may be making this very specialisation
+        for future in waited:
             future.exception()
-        self._ahead.clear()
+        del self._ahead[:len(waited)]  # (another thread may have added one since)
         compiled = self.kernel[grid](*tensors, *scalars, **constexprs)
         names = self.kernel.arg_names[len(tensors) + len(scalars):]
         self._compiled[key] = compiled, tuple(constexprs[name] for name in names)

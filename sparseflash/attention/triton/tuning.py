@@ -106,8 +106,8 @@ CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
                       (64, 64, 4, 2), (64, 128, 4, 2)),
         256: _configs((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
     },
-    # split-KV forward for <= 16 query rows (forward.py): the query tile is as small as a dot takes, and
-    # the key tiles stream K and V, which bound its time
+    # split-KV forward for <= 16 query rows (forward_decode.py): query tiles as small as a dot takes;
+    # streaming K and V bounds its time
     "decode": {
         64: _configs((16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 3), (16, 32, 4, 3)),
         128: _configs((16, 64, 4, 3), (16, 128, 8, 2), (16, 128, 4, 2), (16, 32, 4, 3)),
