@@ -6,7 +6,8 @@ its instructions, tensor-core ops and register spills (docs/kernels.md shows wha
                                                          # pip install --target t36 triton==3.6.0
 
 A variant is KERNEL:KIND:HEAD_DIM:BMxBNwWARPSsSTAGES[:ragged], KERNEL fwd, pfwd (the persistent
-forward, for 132 SMs), bwd (both kinds of program in one launch), dkdv or dq; KIND dense, causal
+forward, for 132 SMs), dec (the split-KV decode forward, 4 heads a program), bwd (both kinds of
+program in one launch), dkdv or dq; KIND dense, causal
 or sparse (128x128 mask blocks); ``ragged`` compiles the EVEN_LENGTHS=False variant. Arguments are typed as the launcher passes them: bf16
 tensors, the head-dim stride 1, other tensor strides divisible by 16.
 """
@@ -21,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sparseflash.attention.triton import backward, forward, forward_persistent
+from sparseflash.attention.triton import backward, forward, forward_decode, forward_persistent
 
 KINDS = {"dense": (0, False), "causal": (1, True), "sparse": (2, False)}
 PROGRAMS = {"bwd": 0, "dkdv": 1, "dq": 2}
@@ -33,15 +34,18 @@ def compile_variant(spec: str):
     kernel, kind, head_dim, tiles, *rest = spec.split(":")
     bm, bn, warps, stages = map(int, re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", tiles).groups())
     mask_kind, causal = KINDS[kind]
-    fn = {"fwd": forward._attn_fwd, "pfwd": forward_persistent._attn_fwd_persistent}.get(kernel, backward._attn_bwd)
+    fn = {"fwd": forward._attn_fwd, "pfwd": forward_persistent._attn_fwd_persistent,
+          "dec": forward_decode._attn_fwd_decode}.get(kernel, backward._attn_bwd)
     constants = dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, HAS_KEY_LENGTHS=False, BLOCK_M=bm, BLOCK_N=bn,
                      SPARSE_BLOCK_M=128, SPARSE_BLOCK_N=128, HEAD_DIM=int(head_dim), D_PADDED=False,
                      DOT_PRECISION="ieee", WIDEN_DOTS=False,
-                     EVEN_LENGTHS=kind != "sparse" and rest != ["ragged"])
+                     EVEN_LENGTHS=kind != "sparse" and rest != ["ragged"], MASK_MOD=None, SCORE_MOD=None)
     if kernel == "pfwd":
-        constants["NUM_PROGRAMS"] = 132
+        constants.update(NUM_PROGRAMS=132, MASK_EVERY_TILE=False)
+    elif kernel == "dec":
+        constants.update(PACK=4, SPLIT=True)
     elif kernel != "fwd":
-        constants["PROGRAMS"] = PROGRAMS[kernel]
+        constants.update(PROGRAMS=PROGRAMS[kernel], SCORE_MOD_GRADS=None)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:
@@ -49,7 +53,8 @@ def compile_variant(spec: str):
         elif name.startswith("stride_") and name.endswith("d"):
             signature[name], constants[name] = "constexpr", 1
         elif name.isupper():  # a tensor
-            signature[name] = "*fp32" if name in FP32_TENSORS else "*bf16" if name in BF16_TENSORS else "*i32"
+            signature[name] = ("*fp32" if name in FP32_TENSORS else "*bf16" if name in BF16_TENSORS
+                               else "*i64" if name == "MODS" else "*i32")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in ("qk_scale", "scale"):
             signature[name] = "fp32"
