@@ -13,7 +13,9 @@ chose.
 The shapes are the benchmark's: bf16, 16k tokens (batch = tokens // S), hidden 2048, 128 x 128
 mask blocks; dense, causal, butterfly, a 2-block local window, random 25 %, a causal token window
 and causal written as mask_mods, and causal with ALiBi and with tanh soft-capping (score_mods: the
-cheap and the costly kind), at every ``--seq-lens`` and ``--head-dims``:
+cheap and the costly kind), at every ``--seq-lens`` and ``--head-dims``; then decoding (the split-KV
+forward of forward_decode.py): ``DECODE_SHAPES`` query rows against long dense caches, GQA 4 query heads
+per K/V head, forward only:
   python scripts/build_config_table.py
   python scripts/build_config_table.py --head-dims 64 --out /tmp/table.json
   python scripts/build_config_table.py --passes 3
@@ -22,6 +24,7 @@ cheap and the costly kind), at every ``--seq-lens`` and ``--head-dims``:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -47,6 +50,19 @@ PATTERNS = {  # label: (pattern name, make's keyword arguments, score_mod name)
 }
 
 
+DECODE_SHAPES = [(1, 8192, 16), (1, 32768, 8), (4, 32768, 8), (16, 32768, 8), (1, 131072, 2)]  # (q, kv, batch)
+
+
+def run_decode(q_len: int, kv_len: int, batch: int, head_dim: int, hidden: int) -> list[tuning.Launched]:
+    """A decoding forward once on one shape; the launches it made."""
+    heads = hidden // head_dim
+    q = torch.randn(batch, heads, q_len, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, heads // 4, kv_len, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with tuning.tuned(), tuning.recording() as launched, torch.no_grad():
+        sparseflash.attention(q, k, v, backend="triton")
+    return launched
+
+
 def run_shape(seq_len: int, head_dim: int, label: str, tokens: int, hidden: int) -> list[tuning.Launched]:
     """Forward and backward once on one shape; the launches they made."""
     name, params, score_mod_name = PATTERNS[label]
@@ -63,13 +79,13 @@ def run_shape(seq_len: int, head_dim: int, label: str, tokens: int, hidden: int)
     return launched
 
 
-def run_pass(index: int, cache_root: str, seq_len: int, head_dim: int, label: str, args) -> list[tuning.Launched]:
-    """One tuning pass over a shape. Passes after the first tune with a disk cache of their own
-    (``<cache_root>/pass<i>``) and forget the choices of the passes before, so that each pass decides
-    afresh; an interrupted run still resumes from every pass's cache."""
+def run_pass(index: int, cache_root: str, run) -> list[tuning.Launched]:
+    """One tuning pass of ``run()`` (one shape). Passes after the first tune with a disk cache of their
+    own (``<cache_root>/pass<i>``) and forget the choices of the passes before, so that each pass
+    decides afresh; an interrupted run still resumes from every pass's cache."""
     os.environ["SPARSEFLASH_CACHE_DIR"] = cache_root if index == 0 else os.path.join(cache_root, f"pass{index}")
     tuning.forget()
-    return run_shape(seq_len, head_dim, label, args.tokens, args.hidden)
+    return run()
 
 
 def merge(path: Path, entries: list[dict], meta: dict) -> int:
@@ -96,6 +112,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=tuning.TABLE_PATH)
     parser.add_argument("--passes", type=int, default=1, help="independent tuning passes per shape (majority vote)")
+    parser.add_argument("--no-decode", action="store_true", help="skip the decoding shapes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: the table holds configs tuned on a GPU; this machine has no CUDA device")
@@ -105,14 +122,19 @@ def main() -> None:
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d")}
     cache_root = os.environ.get("SPARSEFLASH_CACHE_DIR", str(Path.home() / ".cache" / "sparseflash"))
-    for head_dim in args.head_dims:
-        for seq_len in args.seq_lens:
-            for label in args.patterns:
-                start = time.perf_counter()
-                passes = [run_pass(i, cache_root, seq_len, head_dim, label, args) for i in range(args.passes)]
-                size = merge(args.out, tuning.table_entries(*passes), meta)  # after each shape: nothing lost
-                print(f"hd{head_dim} S={seq_len} {label}: {time.perf_counter() - start:.1f} s "
-                      f"({' | '.join(tuning.summary(p) for p in passes)}); {size} entries in {args.out}", flush=True)
+    shapes = [(f"hd{head_dim} S={seq_len} {label}", functools.partial(run_shape, seq_len, head_dim, label,
+                                                                       args.tokens, args.hidden))
+              for head_dim in args.head_dims for seq_len in args.seq_lens for label in args.patterns]
+    if not args.no_decode:
+        shapes += [(f"hd{head_dim} decode {q_len}x{kv_len} B{batch}",
+                    functools.partial(run_decode, q_len, kv_len, batch, head_dim, args.hidden))
+                   for head_dim in args.head_dims for q_len, kv_len, batch in DECODE_SHAPES]
+    for name, run in shapes:
+        start = time.perf_counter()
+        passes = [run_pass(i, cache_root, run) for i in range(args.passes)]
+        size = merge(args.out, tuning.table_entries(*passes), meta)  # after each shape: nothing lost
+        print(f"{name}: {time.perf_counter() - start:.1f} s ({' | '.join(tuning.summary(p) for p in passes)}); "
+              f"{size} entries in {args.out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -194,8 +194,14 @@ def launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mo
     out, out_lse, split_strides = o, lse, (0, 0)
     if n_splits > 1:  # the shares' o and lse, merged below
         shapes = ((n_splits, *q.shape), (n_splits, *q.shape[:3]))
-        out, out_lse = ([Standin(torch.float32, shape) for shape in shapes] if ahead
-                        else [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in shapes])
+        if ahead:
+            out, out_lse = (Standin(torch.float32, shape) for shape in shapes)
+        else:  # one allocation for both (a decoding step is short enough for host time to show), lse's
+            # part starting 16-byte aligned, as a tensor of its own would
+            o_size = -(-n_splits * q.numel() // 4) * 4
+            scratch = torch.empty(o_size + n_splits * plan.batch * plan.heads * plan.q_len, dtype=torch.float32,
+                                  device=q.device)
+            out, out_lse = scratch[:n_splits * q.numel()].view(shapes[0]), scratch[o_size:].view(shapes[1])
         split_strides = out.stride()[0], out_lse.stride()[0]
     tables, table_strides = plan.tables_of("kv")
     grid = (triton.cdiv(heads_per_program * plan.q_len, cfg.block_m), plan.batch * plan.heads // heads_per_program,
