@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseflash.attention.triton.launch import Launcher, Standin
+from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.attention.triton.tiles import (key_tile_scores, listed_block, mma, mod_positions, modded_scores,
                                                row_tile_ranges, tile_start)
@@ -381,7 +381,7 @@ def _preprocess(plan: LaunchPlan, o, do, lse, dlse, delta, lse2, stats_stride: i
     """Launch the preprocess (``ahead``: only compile it; every tensor but dlse may be a ``Standin``)."""
     has_dlse = dlse is not None
     (PREPROCESS.compile_ahead if ahead else PREPROCESS)(
-        (triton.cdiv(plan.q_len, PREPROCESS_BLOCK_M), plan.batch * plan.heads),
+        (cdiv(plan.q_len, PREPROCESS_BLOCK_M), plan.batch * plan.heads),
         (o, do, lse, dlse.contiguous() if has_dlse else lse, delta, lse2),
         (*o.stride(), *do.stride(), plan.heads, plan.q_len, stats_stride, plan.head_dim),
         dict(HAS_DLSE=has_dlse, BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM=plan.padded_dim))
@@ -398,8 +398,8 @@ def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk,
                plan.head_dim, plan.qk_scale, plan.scale, stats_stride)
 
     def launch(cfg: KernelConfig) -> None:
-        key_tiles = triton.cdiv(plan.kv_len, cfg.block_m)
-        query_tiles = plan.groups * triton.cdiv(plan.q_len, cfg.block_m)
+        key_tiles = cdiv(plan.kv_len, cfg.block_m)
+        query_tiles = plan.groups * cdiv(plan.q_len, cfg.block_m)
         grid = ((key_tiles + query_tiles, key_tiles, query_tiles)[programs], plan.batch * plan.kv_heads)
         if programs != 2:  # the dK/dV programs add into the captured tensors' gradients: once per launch
             for grad in grads:
@@ -413,7 +413,7 @@ def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk,
 def _stats_stride(plan: LaunchPlan) -> int:
     # Rows of delta and lse2 start 64-byte aligned, so that the dK/dV loops' loads of a tile's
     # values vectorise (with rows at q_len, 4-byte copies: twice Flex's copy instructions per tile).
-    return triton.cdiv(plan.q_len, 16) * 16
+    return cdiv(plan.q_len, 16) * 16
 
 
 def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()):

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from sparseflash.attention.triton import forward_decode, forward_persistent
-from sparseflash.attention.triton.launch import Launcher, Standin
+from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, finish_rows, forward_tiles, row_tile_ranges
 from sparseflash.attention.triton.tuning import KernelConfig, planned, run_tuned
@@ -119,7 +119,7 @@ def _launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, m
         cfg = dataclasses.replace(cfg, persistent=False)  # a layout TMA cannot read
     tables, table_strides = plan.tables_of("kv")
     (FORWARD.compile_ahead if ahead else FORWARD)(
-        (triton.cdiv(plan.q_len, cfg.block_m), plan.batch * plan.heads), (q, k, v, o, lse, key_lengths, *tables, mods),
+        (cdiv(plan.q_len, cfg.block_m), plan.batch * plan.heads), (q, k, v, o, lse, key_lengths, *tables, mods),
         (*q.stride(), *k.stride(), *v.stride(), *o.stride(), *table_strides, plan.heads, plan.groups,
          plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale), plan.constexprs(cfg))
     return cfg

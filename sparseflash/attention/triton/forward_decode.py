@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseflash.attention.triton.launch import Launcher, Standin, multiprocessors
+from sparseflash.attention.triton.launch import Launcher, Standin, cdiv, multiprocessors
 from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, finish_rows, forward_tiles, row_tile_ranges
 from sparseflash.attention.triton.tuning import KernelConfig
@@ -180,9 +180,9 @@ def pack(plan: LaunchPlan) -> int:
 
 def splits(plan: LaunchPlan, cfg: KernelConfig, device: torch.device) -> int:
     """How many shares each row's key tiles are split into with ``cfg`` (1: no split)."""
-    programs = plan.batch * plan.heads // pack(plan) * triton.cdiv(pack(plan) * plan.q_len, cfg.block_m)
+    programs = plan.batch * plan.heads // pack(plan) * cdiv(pack(plan) * plan.q_len, cfg.block_m)
     row_tiles = plan.mean_row_keys / cfg.block_n
-    wanted = triton.cdiv(SPLIT_WAVES * multiprocessors(device), programs)
+    wanted = cdiv(SPLIT_WAVES * multiprocessors(device), programs)
     return max(1, min(MAX_SPLITS, wanted, int(row_tiles // SPLIT_MIN_TILES)))
 
 
@@ -190,7 +190,10 @@ def launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mo
            ahead: bool = False) -> None:
     """Launch the split-KV forward with ``cfg`` into o and lse (``ahead``: only compile what that launch
     needs; o and lse may be ``Standin``s)."""
-    n_splits, heads_per_program = splits(plan, cfg, q.device), pack(plan)
+    per_config = plan.per_layout.setdefault("decode", {})  # kept: a decoding step is short
+    if cfg not in per_config:
+        per_config[cfg] = splits(plan, cfg, q.device), pack(plan)
+    n_splits, heads_per_program = per_config[cfg]
     out, out_lse, split_strides = o, lse, (0, 0)
     if n_splits > 1:  # the shares' o and lse, merged below
         shapes = ((n_splits, *q.shape), (n_splits, *q.shape[:3]))
@@ -204,7 +207,7 @@ def launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mo
             out, out_lse = scratch[:n_splits * q.numel()].view(shapes[0]), scratch[o_size:].view(shapes[1])
         split_strides = out.stride()[0], out_lse.stride()[0]
     tables, table_strides = plan.tables_of("kv")
-    grid = (triton.cdiv(heads_per_program * plan.q_len, cfg.block_m), plan.batch * plan.heads // heads_per_program,
+    grid = (cdiv(heads_per_program * plan.q_len, cfg.block_m), plan.batch * plan.heads // heads_per_program,
             n_splits)
     (DECODE.compile_ahead if ahead else DECODE)(
         grid, (q, k, v, out, out_lse, key_lengths, *tables, mods),
@@ -215,4 +218,4 @@ def launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mo
         (COMBINE.compile_ahead if ahead else COMBINE)(
             (plan.q_len, plan.batch * plan.heads), (out, out_lse, o, lse),
             (n_splits, plan.q_len, plan.head_dim, *split_strides, *out.stride()[1:4], *o.stride(), plan.heads),
-            dict(SPLITS_BLOCK=min(COMBINE_SPLITS, triton.next_power_of_2(n_splits)), HEAD_DIM=plan.padded_dim))
+            dict(SPLITS_BLOCK=min(COMBINE_SPLITS, 1 << (n_splits - 1).bit_length()), HEAD_DIM=plan.padded_dim))
