@@ -74,6 +74,21 @@ def test_derived_columns_recomputed(tiny_run):
         assert _close(r["flops"], expected)
 
 
+def test_first_calls_table_summarises_each_backend(tiny_run):
+    out, _ = tiny_run
+    rows = read_rows(out / "results.csv")
+    text = (out / "results.md").read_text()
+    table = text[text.index("First calls"):].split("\n\n")[1].splitlines()[2:]
+    summary = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in table}
+    timed = {b for b in {r["backend"] for r in rows} if any(r["backend"] == b and r["first_call_ms"] > 0 for r in rows)}
+    assert set(summary) == timed
+    for backend, cells in summary.items():
+        seconds = [r["first_call_ms"] / 1e3 for r in rows if r["backend"] == backend and r["first_call_ms"] > 0]
+        assert int(cells[0]) == len(seconds)
+        assert float(cells[2]) == pytest.approx(max(seconds), rel=1e-2)
+        assert [c.strip(" |") for c in cells[3:]] == ["0", "0", "0"]  # PyTorch's own ops compile nothing
+
+
 def test_compile_counts_count_graphs_and_triton_compiles():
     import triton
 

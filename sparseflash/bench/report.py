@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import socket
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Iterable
@@ -116,6 +117,24 @@ def group_key(r: dict) -> tuple:
     return (r["mode"], r["head_dim"], r["dtype"])
 
 
+def _first_calls(rows: list[dict], backends: list[str]) -> list[str]:
+    """Per backend: its rows' first-call seconds (median, max) and what those calls compiled."""
+    lines = ["", "First calls (seconds; compiles, JIT and torch.compile included; a kernel variant an earlier "
+                 "row compiled costs later rows nothing):", "",
+             "| backend | rows | median s | max s | Triton kernels compiled | from Triton's cache | Dynamo graphs |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for backend in backends:
+        timed = [r for r in rows if r["backend"] == backend and r["first_call_ms"] == r["first_call_ms"]]
+        if not timed:
+            continue
+        seconds = sorted(r["first_call_ms"] / 1e3 for r in timed)
+        totals = [sum(int(r.get(c, 0) or 0) for r in timed if r.get(c) == r.get(c))
+                  for c in ("compiled_kernels", "cached_kernels", "dynamo_graphs")]
+        lines.append(f"| {backend} | {len(timed)} | {_fmt(statistics.median(seconds))} | {_fmt(seconds[-1])} | "
+                     + " | ".join(map(str, totals)) + " |")
+    return lines
+
+
 def markdown(rows: list[dict], backends: list[str] | None = None, full: bool = False) -> str:
     """Per (mode, head_dim, dtype): rows ``S x pattern``, one column per backend with
     ``median ms (TFLOP/s, speed-up over that backend's dense)``; then the skips and failures. With
@@ -146,6 +165,7 @@ def markdown(rows: list[dict], backends: list[str] | None = None, full: bool = F
                     else:
                         cells.append({"skipped": "—", "wrong": "WRONG", "error": "ERROR"}.get(r["status"], r["status"]))
                 lines.append(f"| {shape} | {label} | {density:.3f} | " + " | ".join(cells) + " |")
+    lines += _first_calls(rows, backends)
     problems: dict[tuple, int] = {}
     for r in rows:
         if r["status"] != "ok":
