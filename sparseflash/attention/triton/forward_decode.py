@@ -201,7 +201,7 @@ def launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mo
             out, out_lse = (Standin(torch.float32, shape) for shape in shapes)
         else:  # one allocation for both (a decoding step is short enough for host time to show), lse's
             # part starting 16-byte aligned, as a tensor of its own would
-            o_size = -(-n_splits * q.numel() // 4) * 4
+            o_size = cdiv(n_splits * q.numel(), 4) * 4
             scratch = torch.empty(o_size + n_splits * plan.batch * plan.heads * plan.q_len, dtype=torch.float32,
                                   device=q.device)
             out, out_lse = scratch[:n_splits * q.numel()].view(shapes[0]), scratch[o_size:].view(shapes[1])
