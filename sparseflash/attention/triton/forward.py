@@ -35,7 +35,7 @@ import triton.language as tl
 from sparseflash.attention.triton import forward_decode, forward_persistent
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import LaunchPlan
-from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, finish_rows, forward_tiles, row_tile_ranges
+from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, forward_row, row_tile_ranges
 from sparseflash.attention.triton.tuning import KernelConfig, planned, run_tuned
 
 
@@ -74,31 +74,15 @@ def _attn_fwd(
     kv_bound = kv_len
     if HAS_KEY_LENGTHS:
         kv_bound = tl.minimum(kv_bound, tl.load(KEY_LENGTHS + b).to(tl.int32))
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-
-    # SPARSE full blocks may still straddle key_lengths[b]; DENSE/CAUSAL runs stop before it.
-    WALK_TABLES: tl.constexpr = MASK_KIND == 2
-    FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
-    PART_NEEDS_BOUND: tl.constexpr = HAS_KEY_LENGTHS or not EVEN_LENGTHS
     full_idx, full_hi, part_idx, part_lo, part_hi = row_tile_ranges(
         FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, q_start, kv_bound,
         stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
         MASK_KIND, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
-    acc, l_i, m_i = forward_tiles(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
-        WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD, SCORE_MOD, BLOCK_N, SPARSE_BLOCK_N, D_PADDED,
-        DOT_PRECISION, WIDEN_DOTS)
-    if part_hi > part_lo:  # rows without partial blocks skip the masked run's set-up and drain
-        acc, l_i, m_i = forward_tiles(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
-            MODS, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD, SCORE_MOD, BLOCK_N,
-            SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
-
-    o, lse = finish_rows(acc, l_i, m_i)
+    o, lse = forward_row(
+        q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, 0, full_hi, full_idx, part_lo, part_hi,
+        part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
+        MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N,
+        HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim))
     tl.store(LSE + bh * q_len + offs_m, lse, mask=offs_m < q_len)

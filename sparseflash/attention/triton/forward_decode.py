@@ -27,7 +27,7 @@ import triton.language as tl
 
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv, multiprocessors
 from sparseflash.attention.triton.plan import LaunchPlan
-from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, finish_rows, forward_tiles, row_tile_ranges
+from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, forward_row, row_tile_ranges
 from sparseflash.attention.triton.tuning import KernelConfig
 
 MAX_QUERIES = 16  # query rows up to which a forward takes this kernel: no more than a mask block's (>= 16)
@@ -83,13 +83,6 @@ def _attn_fwd_decode(
     kv_bound = kv_len
     if HAS_KEY_LENGTHS:
         kv_bound = tl.minimum(kv_bound, tl.load(KEY_LENGTHS + b).to(tl.int32))
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-
-    WALK_TABLES: tl.constexpr = MASK_KIND == 2
-    FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
-    PART_NEEDS_BOUND: tl.constexpr = HAS_KEY_LENGTHS or not EVEN_LENGTHS
     # the rows' tile ranges from query 0, with the tile as tall as BLOCK_M >= q_len; the head of a
     # table lookup is the pack's first (PACK > 1 only where the layout is shared by the heads)
     full_idx, full_hi, part_idx, part_lo, part_hi = row_tile_ranges(
@@ -102,20 +95,11 @@ def _attn_fwd_decode(
         full_lo, full_hi, part_lo, part_hi = _split_share(full_hi, part_lo, part_hi, split, splits)
         O += split * stride_o_split
         LSE += split * stride_lse_split
-    row_heads = h[:, None]
-    acc, l_i, m_i = forward_tiles(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        full_lo, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, row_heads, q_len, kv_len,
-        MODS, WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD, SCORE_MOD, BLOCK_N, SPARSE_BLOCK_N, D_PADDED,
-        DOT_PRECISION, WIDEN_DOTS)
-    if part_hi > part_lo:
-        acc, l_i, m_i = forward_tiles(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, row_heads, q_len,
-            kv_len, MODS, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD, SCORE_MOD, BLOCK_N,
-            SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
-
-    o, lse = finish_rows(acc, l_i, m_i)
+    o, lse = forward_row(
+        q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, full_lo, full_hi, full_idx, part_lo, part_hi,
+        part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h[:, None], q_len, kv_len, MODS,
+        MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N,
+        HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     o_ptrs = O + b * stride_ob + h[:, None] * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=rows_in[:, None] & (offs_d[None, :] < head_dim))
     tl.store(LSE + (b * heads + h) * q_len + offs_m, lse, mask=rows_in)

@@ -225,3 +225,34 @@ def forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MAY_BE_EMPTY, DOT_PRECISION, WIDEN_DOTS)
         block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     return acc, l_i, m_i
+
+
+@triton.jit
+def forward_row(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, full_lo, full_hi, full_idx,
+                part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
+                MODS, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+                EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
+                HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                WIDEN_DOTS: tl.constexpr):
+    """The rows' output (fp32, BLOCK_M x HEAD_DIM) and lse over their unmasked tiles [full_lo, full_hi),
+    then their masked tiles [part_lo, part_hi) (``row_tile_ranges``' runs, or a share of them)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # SPARSE full blocks may still straddle key_lengths[b]; DENSE/CAUSAL runs stop before it.
+    WALK_TABLES: tl.constexpr = MASK_KIND == 2
+    FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
+    PART_NEEDS_BOUND: tl.constexpr = HAS_KEY_LENGTHS or not EVEN_LENGTHS
+    acc, l_i, m_i = forward_tiles(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        full_lo, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
+        WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD, SCORE_MOD, BLOCK_N, SPARSE_BLOCK_N, D_PADDED,
+        DOT_PRECISION, WIDEN_DOTS)
+    if part_hi > part_lo:  # rows without partial blocks skip the masked run's set-up and drain
+        acc, l_i, m_i = forward_tiles(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
+            MODS, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD, SCORE_MOD, BLOCK_N,
+            SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+    return finish_rows(acc, l_i, m_i)
