@@ -5,7 +5,7 @@ As FlashAttention's tests do it, an output is compared with the reference run in
 error of a plain PyTorch implementation in the inputs' own precision (``reference_attention(...,
 upcast=False)``: scores and ``p @ v`` in that dtype, the softmax in fp32), plus one rounding step of
 the dtype at the tensor's largest magnitude (outputs are rounded to it once; bf16 gradients get
-``GRADIENT_STEPS``). So a few corrupted
+``GRADIENT_STEPS``, gradients of captured tensors ``CAPTURE_GRADIENT_STEPS``). So a few corrupted
 rows fail even where a whole-tensor norm would hide them. The relative error over the tensor must
 stay within the dtype's ``REL_TOL`` too, nothing may be NaN, and the ``-inf`` entries of lse (rows
 that see no key) must match exactly. lse is computed in fp32 by every backend and is held to an
@@ -32,6 +32,9 @@ FACTOR = {torch.float16: 2.0, torch.bfloat16: 2.0, torch.float32: 8.0}
 # shapes (decoding: GQA, 2-5 query rows), where the plain implementation was closer, with the same
 # errors from the regular forward and the split one. A corrupted tile is off by many more steps.
 GRADIENT_STEPS = {torch.bfloat16: 4}
+# A captured tensor's gradient is a sum over every score, added by the kernels' atomics in any order:
+# in fp32 it came 2 steps off once (9.5e-7 against 9.4e-7 allowed) where the plain implementation was exact.
+CAPTURE_GRADIENT_STEPS = 2
 REL_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-5}
 TF32_REL_TOL = 5e-3  # fp32 inputs on a GPU: TF32 dots (10-bit mantissas), as fp16's
 LSE_TOL = 1e-5  # absolute and relative: |lse - lse_ref| <= LSE_TOL * (1 + |lse_ref|)
@@ -180,6 +183,8 @@ def check_outputs(got: Outputs, q, k, v, mask, do, key_lengths=None, *, scale=No
             continue
         step = torch.finfo(dtype).eps * expected[torch.isfinite(expected)].abs().max().item() if expected.numel() else 0
         steps = GRADIENT_STEPS.get(dtype, 1) if name.startswith("d") else 1
+        if name.startswith("dcapture"):
+            steps = max(steps, CAPTURE_GRADIENT_STEPS)
         allowed = FACTOR[dtype] * max_error(baseline, expected) + steps * step
         assert err <= allowed, (f"{name}: max element error {err:.3e} > {FACTOR[dtype]:g} x the plain "
                                 f"{str(dtype).removeprefix('torch.')} implementation's "
