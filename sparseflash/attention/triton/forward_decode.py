@@ -174,10 +174,7 @@ def launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mo
            ahead: bool = False) -> None:
     """Launch the split-KV forward with ``cfg`` into o and lse (``ahead``: only compile what that launch
     needs; o and lse may be ``Standin``s)."""
-    per_config = plan.per_layout.setdefault("decode", {})  # kept: a decoding step is short
-    if cfg not in per_config:
-        per_config[cfg] = splits(plan, cfg, q.device), pack(plan)
-    n_splits, heads_per_program = per_config[cfg]
+    n_splits, heads_per_program = splits(plan, cfg, q.device), pack(plan)
     out, out_lse, split_strides = o, lse, (0, 0)
     if n_splits > 1:  # the shares' o and lse, merged below
         shapes = ((n_splits, *q.shape), (n_splits, *q.shape[:3]))
