@@ -137,6 +137,8 @@ def _wandb_records(path):
             pos += left
             continue
         length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):
+            break  # the writer is still appending this chunk
         chunk = data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind == 0 and length == 0:
@@ -152,13 +154,21 @@ def _wandb_records(path):
 
 def _wandb_history(run_dir, until, wait_s: float = 30.0):
     """The history records of the offline run in ``run_dir``. The W&B service process may still be
-    flushing the transaction log when ``finish()`` has returned (it did once under load), so the
-    file is re-read until ``until(history)`` holds or ``wait_s`` has passed."""
+    flushing the transaction log when ``finish()`` has returned (it did under load, and a read
+    once caught a record half written), so the file is re-read until ``until(history)`` holds or
+    ``wait_s`` has passed."""
+    from google.protobuf.message import DecodeError
+
     deadline = time.monotonic() + wait_s
     while True:
-        history = _read_wandb_history(run_dir)
-        if until(history) or time.monotonic() > deadline:
-            return history
+        try:
+            history = _read_wandb_history(run_dir)
+        except DecodeError:
+            if time.monotonic() > deadline:
+                raise
+        else:
+            if until(history) or time.monotonic() > deadline:
+                return history
         time.sleep(0.2)
 
 
