@@ -5,11 +5,11 @@ its instructions, tensor-core ops and register spills (docs/kernels.md shows wha
     PYTHONPATH=t36:. python scripts/kernel_sass.py ...   # another Triton, e.g. 3.6:
                                                          # pip install --target t36 triton==3.6.0
 
-A variant is KERNEL:KIND:HEAD_DIM:BMxBNwWARPSsSTAGES[:ragged], KERNEL fwd, pfwd (the persistent
-forward, for 132 SMs), dec (the split-KV decode forward, 4 heads a program), bwd (both kinds of
-program in one launch), dkdv or dq; KIND dense, causal
-or sparse (128x128 mask blocks); ``ragged`` compiles the EVEN_LENGTHS=False variant. Arguments are typed as the launcher passes them: bf16
-tensors, the head-dim stride 1, other tensor strides divisible by 16.
+A variant is KERNEL:KIND:HEAD_DIM:BMxBNwWARPSsSTAGES[:ragged][:dropout], KERNEL fwd, pfwd (the
+persistent forward, for 132 SMs), dec (the split-KV decode forward, 4 heads a program), bwd (both
+kinds of program in one launch), dkdv or dq; KIND dense, causal or sparse (128x128 mask blocks);
+``ragged`` compiles the EVEN_LENGTHS=False variant, ``dropout`` the DROPOUT one. Arguments are typed
+as the launcher passes them: bf16 tensors, the head-dim stride 1, other tensor strides divisible by 16.
 """
 
 import os
@@ -39,7 +39,8 @@ def compile_variant(spec: str):
     constants = dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, HAS_KEY_LENGTHS=False, BLOCK_M=bm, BLOCK_N=bn,
                      SPARSE_BLOCK_M=128, SPARSE_BLOCK_N=128, HEAD_DIM=int(head_dim), D_PADDED=False,
                      DOT_PRECISION="ieee", WIDEN_DOTS=False,
-                     EVEN_LENGTHS=kind != "sparse" and rest != ["ragged"], MASK_MOD=None, SCORE_MOD=None)
+                     EVEN_LENGTHS=kind != "sparse" and "ragged" not in rest, MASK_MOD=None, SCORE_MOD=None,
+                     DROPOUT="dropout" in rest)
     if kernel == "pfwd":
         constants.update(NUM_PROGRAMS=132, MASK_EVERY_TILE=False)
     elif kernel == "dec":
@@ -54,9 +55,9 @@ def compile_variant(spec: str):
             signature[name], constants[name] = "constexpr", 1
         elif name.isupper():  # a tensor
             signature[name] = ("*fp32" if name in FP32_TENSORS else "*bf16" if name in BF16_TENSORS
-                               else "*i64" if name == "MODS" else "*i32")
+                               else "*i64" if name in ("MODS", "SEED") else "*i32")
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("qk_scale", "scale"):
+        elif name in ("qk_scale", "scale", "dropout_scale"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"

@@ -9,6 +9,7 @@ from typing import Callable, Union
 import torch
 
 from sparseflash.attention.blocked import blocked_attention
+from sparseflash.attention.dropout import Dropout, check_p, draw_seed
 from sparseflash.attention.reference import reference_attention
 from sparseflash.masks import DEFAULT_BLOCK, BlockMask, MaskSpec
 from sparseflash.masks.functions import trace
@@ -22,10 +23,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-def _triton_attention(q, k, v, mask, key_lengths, scale, score_mod):
+def _triton_attention(q, k, v, mask, key_lengths, scale, score_mod, dropout):
     from sparseflash.attention.triton import triton_attention  # imports triton only when used
 
-    return triton_attention(q, k, v, mask, key_lengths, scale, score_mod)
+    return triton_attention(q, k, v, mask, key_lengths, scale, score_mod, dropout)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -156,6 +157,7 @@ def attention(
     score_mod: Callable | None = None,
     key_lengths: torch.Tensor | None = None,
     scale: float | None = None,
+    dropout_p: float = 0.0,
     backend: str = "auto",
     return_lse: bool = False,
 ):
@@ -175,6 +177,10 @@ def attention(
         key_lengths: optional int ``(B,)`` with values in ``[0, S_kv]``; keys at index
             ``>= key_lengths[b]`` are masked (checked on the CPU; not on a GPU, where it would sync).
         scale: softmax scale, default ``1/sqrt(D)``.
+        dropout_p: drop each normalised probability with this chance (in [0, 1)) and scale the kept
+            ones by ``1 / (1 - dropout_p)``, in the kernels, with a seed drawn from torch's generator of
+            the inputs' device (``torch.manual_seed`` repeats it; ``sparseflash.attention.dropout`` states
+            the pattern, which every backend shares). Always applied when given: pass 0 outside training.
         backend: ``auto`` (``triton`` on CUDA, ``blocked`` elsewhere), ``triton``, ``blocked``
             or ``reference``.
         return_lse: also return the log-sum-exp of the kept scores.
@@ -191,8 +197,9 @@ def attention(
         q, k, v = (x.to(dtype) if isinstance(x, torch.Tensor) else x for x in (q, k, v))
         with torch.autocast(q.device.type, enabled=False):
             return attention(q, k, v, mask, score_mod=score_mod, key_lengths=key_lengths, scale=scale,
-                             backend=backend, return_lse=return_lse)
+                             dropout_p=dropout_p, backend=backend, return_lse=return_lse)
     scale = _check_inputs(q, k, v, key_lengths, scale)
+    dropout_p = check_p(dropout_p)
     name = resolve_backend(backend, q.device)
     # Under torch.compile the backends are custom ops (sparseflash.attention.compiled); a mask given by name
     # or MaskSpec goes in as its spec, built once outside the graph.
@@ -205,10 +212,12 @@ def attention(
             raise ValueError(f"mask has {mask.num_batches} batch elements; expected 1 or B={q.shape[0]}")
     if score_mod is not None and name == "reference":  # the others trace it themselves
         trace(score_mod, "score_mod")  # a function the kernels cannot run fails on every backend
+    seed = draw_seed(q.device) if dropout_p > 0 else None
     if as_op:
         from sparseflash.attention.compiled import compiled_attention
 
-        o, lse = compiled_attention(q, k, v, mask, key_lengths, scale, score_mod, name)
+        o, lse = compiled_attention(q, k, v, mask, key_lengths, scale, score_mod, name, dropout_p, seed)
     else:
-        o, lse = BACKENDS[name](q, k, v, mask, key_lengths, scale, score_mod)
+        o, lse = BACKENDS[name](q, k, v, mask, key_lengths, scale, score_mod,
+                                None if seed is None else Dropout(dropout_p, seed))
     return (o, lse) if return_lse else o

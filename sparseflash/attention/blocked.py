@@ -12,12 +12,15 @@ A mask's mask_mod and the score function's traced graph (``Graph.evaluate``) run
 broadcast index tensors (positions clamped into the sequences, as the kernels do); the backward
 differentiates the score function with ``torch.func.vjp``, chunk by chunk, which also gives the
 gradients of the tensors it captures. A mask with a batch dimension is run one batch element at a time.
+With dropout, each chunk's keep mask (``sparseflash.attention.dropout.kept``, at the same positions) is
+drawn in the forward and drawn again in the backward.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sparseflash.attention.dropout import Dropout, kept
 from sparseflash.masks import BlockMask, layout_to_tables
 from sparseflash.masks.functions import Graph, trace
 
@@ -98,9 +101,18 @@ def _finite(m: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(torch.isinf(m) & (m < 0), torch.full_like(m, fill), m)
 
 
-def _forward(q, k, v, mask: BlockMask, key_lengths, scale, score_graph: Graph | None, first_batch: int):
+def _kept(dropout: Dropout | None, heads: int, idx) -> torch.Tensor | float:
+    """The chunk's dropout keep mask times the kept probabilities' scale (1.0 without dropout). ``idx``
+    (``_indices``) clamps positions into the sequences: that changes only scores that are dropped anyway."""
+    if dropout is None:
+        return 1.0
+    return kept(dropout, heads, *idx) * dropout.scale
+
+
+def _forward(q, k, v, mask: BlockMask, key_lengths, scale, score_graph: Graph | None, dropout: Dropout | None,
+             first_batch: int):
     """``blocked_forward`` for a mask without a batch dimension; ``first_batch``: the batch index of q's first
-    element (what the mask and score functions see)."""
+    element (what the mask and score functions see, and dropout's row streams)."""
     batch, heads, q_len, dim = q.shape
     block_m, block_n = mask.block_size
     n_q = mask.layout.shape[1]
@@ -123,7 +135,8 @@ def _forward(q, k, v, mask: BlockMask, key_lengths, scale, score_graph: Graph | 
         weight = torch.exp(m_tile - m_ref[:, row])  # rescales each tile to its row's new max
         v_t = v_blk[:, tiles.kv_head[part], tiles.kv_block[part]]  # (B, c, bn, D)
         l = (l * rescale).index_add(1, row, p.sum(-1) * weight)
-        acc = (acc * rescale[..., None]).index_add(1, row, (p @ v_t) * weight[..., None])
+        kept_p = p * _kept(dropout, heads, idx)  # the output takes the kept probabilities, l all of them
+        acc = (acc * rescale[..., None]).index_add(1, row, (kept_p @ v_t) * weight[..., None])
         m = m_new
     visible = l > 0
     o = acc / torch.where(visible, l, torch.ones_like(l))[..., None]
@@ -144,7 +157,7 @@ def _scores_and_vjp(raw, keep, score_graph: Graph, idx):
 
 
 def _backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale, score_graph: Graph | None,
-              first_batch: int):
+              dropout: Dropout | None, first_batch: int):
     """``blocked_backward`` for a mask without a batch dimension."""
     batch, heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -178,7 +191,9 @@ def _backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale, sc
         v_t = v_blk[:, tiles.kv_head[part], tiles.kv_block[part]]
         q_t = q_blk[:, tiles.head[part], tiles.q_block[part]]
         do_t = do_blk[:, tiles.head[part], tiles.q_block[part]]
-        ds = p * (do_t @ v_t.transpose(-1, -2) - delta[:, row, :, None])  # (B, c, bm, bn), d loss / d s
+        kept_scaled = _kept(dropout, heads, idx)
+        # (B, c, bm, bn), d loss / d s: delta = rowsum(o * do) holds the dropout already
+        ds = p * (do_t @ v_t.transpose(-1, -2) * kept_scaled - delta[:, row, :, None])
         if score_graph is not None:  # d loss / d raw score, and the captured tensors' share
             ds, *shares = vjp(ds)
             for grad, share in zip(capture_grads, shares):
@@ -186,7 +201,7 @@ def _backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale, sc
         col = tiles.kv_head[part] * n_kv + tiles.kv_block[part]
         dq.index_add_(1, row, ds @ k_t * scale)
         dk.index_add_(1, col, ds.transpose(-1, -2) @ q_t * scale)
-        dv.index_add_(1, col, p.transpose(-1, -2) @ do_t)
+        dv.index_add_(1, col, (p * kept_scaled).transpose(-1, -2) @ do_t)
     dq = dq.view(batch, heads, n_q * block_m, dim)[:, :, :q_len]
     dk = dk.view(batch, kv_heads, n_kv * block_n, dim)[:, :, :kv_len]
     dv = dv.view(batch, kv_heads, n_kv * block_n, dim)[:, :, :kv_len]
@@ -205,34 +220,37 @@ def _part(key_lengths, rows: slice):
     return None if key_lengths is None else key_lengths[rows]
 
 
-def blocked_forward(q, k, v, mask: BlockMask, key_lengths, scale, score_graph: Graph | None = None):
+def blocked_forward(q, k, v, mask: BlockMask, key_lengths, scale, score_graph: Graph | None = None,
+                    dropout: Dropout | None = None):
     """Returns ``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32; ``score_graph``: the traced
-    score function, or None."""
-    outs = [_forward(q[rows], k[rows], v[rows], view, _part(key_lengths, rows), scale, score_graph, first)
+    score function, or None; ``dropout``: drop probabilities with it, or None."""
+    outs = [_forward(q[rows], k[rows], v[rows], view, _part(key_lengths, rows), scale, score_graph, dropout, first)
             for rows, view, first in _batches(mask, q.shape[0])]
     return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
 
 
-def blocked_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale, score_graph: Graph | None = None):
+def blocked_backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale, score_graph: Graph | None = None,
+                     dropout: Dropout | None = None):
     """Gradients ``dq, dk, dv`` (dtypes of the inputs) of a loss through ``o`` and ``lse``, and those of the
-    score function's captured tensors that require grad, in slot order (fp32)."""
+    score function's captured tensors that require grad, in slot order (fp32); ``dropout``: the forward's."""
     grads = [_backward(q[rows], k[rows], v[rows], o[rows], lse[rows], do[rows],
                        None if dlse is None else dlse[rows], view, _part(key_lengths, rows), scale, score_graph,
-                       first)
+                       dropout, first)
              for rows, view, first in _batches(mask, q.shape[0])]
     dq, dk, dv = (torch.cat([g[i] for g in grads]) for i in range(3))
     return dq, dk, dv, [sum(shares) for shares in zip(*(g[3] for g in grads))]
 
 
 class BlockedAttentionFunction(torch.autograd.Function):
-    """Autograd for the blocked loop: saves ``q, k, v, o, lse`` (and the mask). The score function's
-    captured tensors that require grad are inputs too, so that they get their gradients."""
+    """Autograd for the blocked loop: saves ``q, k, v, o, lse`` (and the mask and dropout seed). The score
+    function's captured tensors that require grad are inputs too, so that they get their gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, key_lengths, scale, score_graph, *grad_captures):
-        o, lse = blocked_forward(q, k, v, mask, key_lengths, scale, score_graph)
+    def forward(ctx, q, k, v, mask, key_lengths, scale, score_graph, dropout, *grad_captures):
+        o, lse = blocked_forward(q, k, v, mask, key_lengths, scale, score_graph, dropout)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.mask, ctx.key_lengths, ctx.scale, ctx.score_graph = mask, key_lengths, scale, score_graph
+        ctx.dropout = dropout
         return o, lse
 
     @staticmethod
@@ -240,14 +258,15 @@ class BlockedAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):  # a backward run under autocast stays fp32
             dq, dk, dv, capture_grads = blocked_backward(q, k, v, o, lse, do, dlse, ctx.mask, ctx.key_lengths,
-                                                         ctx.scale, ctx.score_graph)
+                                                         ctx.scale, ctx.score_graph, ctx.dropout)
         trained = ctx.score_graph.trained if ctx.score_graph else []
-        return (dq, dk, dv, None, None, None, None, *(g.to(t.dtype) for g, t in zip(capture_grads, trained)))
+        return (dq, dk, dv, None, None, None, None, None, *(g.to(t.dtype) for g, t in zip(capture_grads, trained)))
 
 
-def blocked_attention(q, k, v, mask: BlockMask, key_lengths, scale, score_mod=None):
+def blocked_attention(q, k, v, mask: BlockMask, key_lengths, scale, score_mod=None, dropout: Dropout | None = None):
     """``(o, lse)`` through the blocked loop, differentiable in ``q, k, v`` and in the tensors
-    ``score_mod`` captures; a mask with a batch dimension runs one batch element at a time."""
+    ``score_mod`` captures; a mask with a batch dimension runs one batch element at a time; ``dropout``:
+    drop probabilities with it, or None."""
     score_graph = trace(score_mod, "score_mod") if score_mod is not None else None
     trained = score_graph.trained if score_graph is not None else []
-    return BlockedAttentionFunction.apply(q, k, v, mask, key_lengths, scale, score_graph, *trained)
+    return BlockedAttentionFunction.apply(q, k, v, mask, key_lengths, scale, score_graph, dropout, *trained)

@@ -8,6 +8,8 @@ It defines sparseflash's semantics; every other backend is tested against it:
 - a score is kept when the mask keeps it (``BlockMask.to_dense()``, its mask_mod included) and its
   key index is below ``key_lengths[b]``; dropped scores get no probability;
 - a query row that keeps no score has output 0, log-sum-exp ``-inf`` and zero gradients (never NaN);
+- with dropout, the probabilities ``sparseflash.attention.dropout.kept`` drops are 0 and the others are
+  scaled by ``1 / (1 - p)`` before ``@ v``; ``lse`` is that of the scores;
 - the output has the dtype of ``q``; ``lse`` (natural log) is fp32.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from sparseflash.attention.dropout import Dropout, kept
 from sparseflash.masks import BlockMask
 
 
@@ -42,6 +45,7 @@ def reference_attention(
     key_lengths: torch.Tensor | None,  # (B,) int
     scale: float,
     score_mod=None,
+    dropout: Dropout | None = None,
     *,
     upcast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +66,8 @@ def reference_attention(
     empty = ~allowed.any(-1, keepdim=True)  # rows that keep no score
     s = s.masked_fill(empty, 0.0)  # keeps softmax and its gradient finite on those rows
     p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
+    if dropout is not None:
+        p = p * (kept(dropout, q.shape[1], *score_mod_indices(p)) * dropout.scale)
     o = p.to(work) @ vf
     lse = torch.logsumexp(s, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
     return o.to(q.dtype), lse

@@ -8,12 +8,15 @@ SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS), an
   HAS_DLSE  the loss also depends on lse: d lse / d s = p, so delta becomes rowsum(o * do) - dlse.
   PROGRAMS  0: both kinds of program in one launch; 1: only dK/dV; 2: only dQ.
   MASK_MOD, SCORE_MOD  as in forward.py; the backward scales dS by SCORE_MOD's derivative.
+  DROPOUT   as in forward.py: the same scores are dropped again (``tiles.dropout_kept_tile``); dV takes
+            the kept probabilities, scaled, and dS = p * (kept * dP * dropout_scale - delta).
   SCORE_MOD_GRADS  a generated function (codegen.py) that adds the gradients of the score function's
             captured tensors (atomics, in the dK/dV programs, which see every computed score once),
             or None.
 
 The scores are recomputed from q, k and lse (p = exp2(s * scale * log2 e - lse * log2 e)), never
-stored.
+stored; nor is the dropout mask. With dropout, delta = rowsum(o * do) still equals rowsum(p * dP') where
+dP' is the gradient of the undropped probabilities, since o already holds the kept ones.
 - preprocess, one program per query tile: delta = rowsum(o * do) (- dlse), and lse2 = lse * log2 e,
   the base-2 lse the loops subtract; rows that saw no key (lse = -inf) get lse2 = +inf, so that
   their p is 0. Both are (B * H, stats_stride) with stats_stride = q_len rounded up to 16.
@@ -35,8 +38,9 @@ import triton.language as tl
 
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import LaunchPlan
-from sparseflash.attention.triton.tiles import (key_tile_scores, listed_block, mma, mod_positions, modded_scores,
-                                               row_tile_ranges, tile_start)
+from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, dropout_kept_tile, key_tile_scores, listed_block,
+                                               load_seed, mma, mod_positions, modded_scores, row_tile_ranges,
+                                               tile_start)
 from sparseflash.attention.triton.tuning import KernelConfig, planned, run_tuned
 
 
@@ -103,20 +107,23 @@ def _col_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, start_n, n_q_
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
                 stride_qm, stride_qd, stride_dom, stride_dod, t_lo, t_hi, idx_ptr,
-                offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
+                start_n, offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
+                seed, drop_row, drop_threshold, drop_scale,
                 FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_ROW_BOUND: tl.constexpr,
                 APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-                SCORE_MOD_GRADS: tl.constexpr,
+                SCORE_MOD_GRADS: tl.constexpr, DROPOUT: tl.constexpr,
                 BLOCK_M: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, D_PADDED: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles t_lo..t_hi-1 (transposed scores).
     APPLY_ROW_BOUND: the tiles may hold rows past q_len (loaded as zeros, lse +inf). Keys past
     kv_bound are not masked here (their gradients are zeroed at the store), except for the gradients
-    of the score function's captured tensors."""
+    of the score function's captured tensors. With DROPOUT, dV is left unscaled (the caller scales it).
+    """
     offs_m0 = tl.arange(0, BLOCK_M)
     block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M)
     for t in range(t_lo, t_hi):
-        offs_m = tile_start(t, block, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M) + offs_m0
+        q_start = tile_start(t, block, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M)
+        offs_m = q_start + offs_m0
         q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
         do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
         if APPLY_ROW_BOUND or D_PADDED:
@@ -139,8 +146,15 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
                 keep = MASK_MOD(b, h, q_idx, kv_idx, MODS)
             s_t = tl.where(keep, s_t, float("-inf"))
         p_t = tl.math.exp2(s_t - lse[None, :])
-        dv = mma(p_t.to(do.dtype), do, dv, DOT_PRECISION, WIDEN_DOTS)
+        if DROPOUT:
+            kept_t = dropout_kept_tile(seed, drop_row, start_n, q_start, drop_threshold, offs_n.shape[0], BLOCK_M,
+                                       False)
+            dv = mma(tl.where(kept_t, p_t, 0.0).to(do.dtype), do, dv, DOT_PRECISION, WIDEN_DOTS)
+        else:
+            dv = mma(p_t.to(do.dtype), do, dv, DOT_PRECISION, WIDEN_DOTS)
         dp_t = mma(v, tl.trans(do), None, DOT_PRECISION, WIDEN_DOTS)
+        if DROPOUT:
+            dp_t = tl.where(kept_t, dp_t * drop_scale, 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         if SCORE_MOD_GRADS is not None:  # keys past kv_bound must add nothing to the captured tensors
             SCORE_MOD_GRADS(tl.where(offs_n[:, None] < kv_bound, ds_t, 0.0), qk_t * (qk_scale * 0.6931471805599453),
@@ -161,11 +175,13 @@ def _dkdv_program(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
     key_tile, b, hk, heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
+    seed, dropout_threshold, dropout_scale,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
     EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     """dK, dV of key tile ``key_tile`` (BLOCK_N keys) of key/value head hk, batch b."""
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
@@ -199,20 +215,25 @@ def _dkdv_program(
         if HAS_KEY_LENGTHS:  # a key tile wholly past key_lengths[b] walks nothing
             full_hi = tl.where(start_n < kv_bound, full_hi, full_lo)
             part_hi = tl.where(start_n < kv_bound, part_hi, part_lo)
+        drop_row = b * heads + h
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
                              stride_qm, stride_qd, stride_dom, stride_dod, full_lo, full_hi, full_idx,
-                             offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
+                             start_n, offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
+                             seed, drop_row, dropout_threshold, dropout_scale,
                              WALK_TABLES, False, FULL_ROWS_BOUNDED, False, MASK_MOD, SCORE_MOD, SCORE_MOD_GRADS,
-                             BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+                             DROPOUT, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
         if part_hi > part_lo:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
                                  stride_qm, stride_qd, stride_dom, stride_dod, part_lo, part_hi, part_idx,
-                                 offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
+                                 start_n, offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
+                                 seed, drop_row, dropout_threshold, dropout_scale,
                                  WALK_TABLES, IS_CAUSAL, not EVEN_LENGTHS, MASK_MOD is not None, MASK_MOD,
-                                 SCORE_MOD, SCORE_MOD_GRADS, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION,
-                                 WIDEN_DOTS)
+                                 SCORE_MOD, SCORE_MOD_GRADS, DROPOUT, BLOCK_M, SPARSE_BLOCK_M, D_PADDED,
+                                 DOT_PRECISION, WIDEN_DOTS)
     visible = offs_n[:, None] < kv_bound  # masked keys get exactly zero gradient
     dk = tl.where(visible, dk * scale, 0.0)
+    if DROPOUT:
+        dv = dv * dropout_scale
     dv = tl.where(visible, dv, 0.0)
     out = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=kv_in)
@@ -221,21 +242,26 @@ def _dkdv_program(
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-              t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
+              t_lo, t_hi, idx_ptr, q_start, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
+              MODS, seed, drop_row, drop_threshold, drop_scale,
               FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
-              APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+              APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, DROPOUT: tl.constexpr,
               BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Accumulate dQ of one query tile over key tiles t_lo..t_hi-1."""
     block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     for t in range(t_lo, t_hi):
-        offs_kv = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
+        kv_start = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
+        offs_kv = kv_start + offs_n
         s, k_t, v_t, d_score = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m,
                                                offs_kv, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
                                                MODS, APPLY_CAUSAL, APPLY_KV_BOUND, APPLY_MASK_MOD, MASK_MOD,
                                                SCORE_MOD, D_PADDED, True, DOT_PRECISION, WIDEN_DOTS)
         p = tl.math.exp2(s - lse[:, None])
         dp = mma(do, v_t, None, DOT_PRECISION, WIDEN_DOTS)
+        if DROPOUT:
+            kept = dropout_kept_tile(seed, drop_row, q_start, kv_start, drop_threshold, offs_m.shape[0], BLOCK_N, True)
+            dp = tl.where(kept, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None]) * d_score
         dq = mma(ds.to(k_t.dtype), tl.trans(k_t), dq, DOT_PRECISION, WIDEN_DOTS)
         block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
@@ -252,11 +278,12 @@ def _dq_program(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
     query_tile, b, h, heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
+    seed, dropout_threshold, dropout_scale,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """dQ of query tile ``query_tile`` (BLOCK_M queries) of query head h, batch b."""
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
@@ -286,14 +313,15 @@ def _dq_program(
         stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
         MASK_KIND, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   0, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
-                   MODS, WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD, SCORE_MOD, BLOCK_N, SPARSE_BLOCK_N,
-                   D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+                   0, full_hi, full_idx, q_start, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len,
+                   kv_len, MODS, seed, bh, dropout_threshold, dropout_scale, WALK_TABLES, False, FULL_NEEDS_BOUND,
+                   False, MASK_MOD, SCORE_MOD, DROPOUT, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     if part_hi > part_lo:
         dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len,
-                       kv_len, MODS, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD,
-                       SCORE_MOD, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+                       part_lo, part_hi, part_idx, q_start, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b,
+                       h, q_len, kv_len, MODS, seed, bh, dropout_threshold, dropout_scale, WALK_TABLES, IS_CAUSAL,
+                       PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD, SCORE_MOD, DROPOUT, BLOCK_N, SPARSE_BLOCK_N,
+                       D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     out = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=rows_in)
 
@@ -301,11 +329,11 @@ def _dq_program(
 @triton.jit(do_not_specialize=["q_len", "kv_len", "stride_col_num_b", "stride_col_num_h", "stride_col_num_n",
                                "stride_col_idx_b", "stride_col_idx_h", "stride_col_idx_n", "stride_row_num_b",
                                "stride_row_num_h", "stride_row_num_m", "stride_row_idx_b", "stride_row_idx_h",
-                               "stride_row_idx_m"])
+                               "stride_row_idx_m", *DROPOUT_ARGS])
 def _attn_bwd(
     Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, KEY_LENGTHS,
     COL_FULL_NUM, COL_FULL_IDX, COL_PART_NUM, COL_PART_IDX,
-    ROW_FULL_NUM, ROW_FULL_IDX, ROW_PART_NUM, ROW_PART_IDX, MODS,
+    ROW_FULL_NUM, ROW_FULL_IDX, ROW_PART_NUM, ROW_PART_IDX, MODS, SEED,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -314,13 +342,13 @@ def _attn_bwd(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_col_num_b, stride_col_num_h, stride_col_num_n, stride_col_idx_b, stride_col_idx_h, stride_col_idx_n,
     stride_row_num_b, stride_row_num_h, stride_row_num_m, stride_row_idx_b, stride_row_idx_h, stride_row_idx_m,
-    heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
+    heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride, dropout_threshold, dropout_scale,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-    SCORE_MOD_GRADS: tl.constexpr, PROGRAMS: tl.constexpr,
+    DROPOUT: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr, PROGRAMS: tl.constexpr,
 ):
     """Grid (key tiles + groups x query tiles, batch x kv_heads): the first programs of a row are
     dK/dV programs (BLOCK_M keys held, BLOCK_N queries streamed), the rest dQ programs of the
@@ -332,6 +360,7 @@ def _attn_bwd(
     kv_heads = heads // groups
     b = bhk // kv_heads
     hk = bhk % kv_heads
+    seed = load_seed(SEED, DROPOUT)
     n_key_tiles = tl.cdiv(kv_len, BLOCK_M)
     if PROGRAMS == 1 or (PROGRAMS == 0 and tile < n_key_tiles):
         _dkdv_program(
@@ -341,8 +370,10 @@ def _attn_bwd(
             stride_dkb, stride_dkh, stride_dkn, stride_dkd,
             stride_col_num_b, stride_col_num_h, stride_col_num_n, stride_col_idx_b, stride_col_idx_h, stride_col_idx_n,
             tile, b, hk, heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
+            seed, dropout_threshold, dropout_scale,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_N, BLOCK_M, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_MOD_GRADS)
+            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_MOD_GRADS,
+            DROPOUT)
     else:
         if PROGRAMS == 0:
             tile -= n_key_tiles
@@ -357,9 +388,9 @@ def _attn_bwd(
             stride_dqb, stride_dqh, stride_dqm, stride_dqd,
             stride_row_num_b, stride_row_num_h, stride_row_num_m, stride_row_idx_b, stride_row_idx_h, stride_row_idx_m,
             query_tile, b, hk * groups + tile // n_q_tiles, heads, groups, q_len, kv_len, head_dim,
-            qk_scale, scale, stats_stride,
+            qk_scale, scale, stats_stride, seed, dropout_threshold, dropout_scale,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD)
+            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, DROPOUT)
 
 
 # ---------------------------------------------------------------------------------- launcher
@@ -388,14 +419,16 @@ def _preprocess(plan: LaunchPlan, o, do, lse, dlse, delta, lse2, stats_stride: i
 
 
 def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, mods, stats_stride,
-              grads=(), ahead: bool = False):
-    """``launch(cfg)`` of the backward kernel with PROGRAMS ``programs`` (``ahead``: only compile it; the
-    tensors past v may be ``Standin``s); the dK/dV programs add into ``grads``, zeroed first."""
+              dropout, grads=(), ahead: bool = False):
+    """``launch(cfg)`` of the backward kernel with PROGRAMS ``programs`` (``dropout``: ``plan.dropout_args``;
+    ``ahead``: only compile it; the tensors past v may be ``Standin``s); the dK/dV programs add into
+    ``grads``, zeroed first."""
+    seed, *dropout_scalars = dropout
     tensors = (q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, *plan.tables_of("q")[0], *plan.tables_of("kv")[0],
-               mods)
+               mods, seed)
     scalars = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(),
                *plan.tables_of("q")[1], *plan.tables_of("kv")[1], plan.heads, plan.groups, plan.q_len, plan.kv_len,
-               plan.head_dim, plan.qk_scale, plan.scale, stats_stride)
+               plan.head_dim, plan.qk_scale, plan.scale, stats_stride, *dropout_scalars)
 
     def launch(cfg: KernelConfig) -> None:
         key_tiles = cdiv(plan.kv_len, cfg.block_m)
@@ -416,11 +449,13 @@ def _stats_stride(plan: LaunchPlan) -> int:
     return cdiv(plan.q_len, 16) * 16
 
 
-def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()):
+def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, plan: LaunchPlan, captures=(),
+                       dropout=None):
     """``dq, dk, dv`` (dtypes and shapes of q, k, v) for the gradients ``do`` of o and ``dlse`` of
     lse (or None), and the fp32 gradients of the tensors the mask and score functions capture
     (``captures``, as ``plan.captures`` gives them; None for those that do not require grad);
-    ``key_lengths`` as ``plan.key_lengths_arg`` gives it."""
+    ``key_lengths`` as ``plan.key_lengths_arg`` gives it; ``dropout``: the forward's ``Dropout`` where the
+    plan has one, else None."""
     stats_stride = _stats_stride(plan)
     delta, lse2 = torch.empty((2, plan.batch * plan.heads, stats_stride), dtype=torch.float32, device=q.device)
     _preprocess(plan, o, do, lse, dlse, delta, lse2, stats_stride)
@@ -430,9 +465,10 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
              if t.requires_grad and t.dtype.is_floating_point else None for t in captures]
     mods = plan.mods_table(list(captures), grads)
+    dropout_args = plan.dropout_args(dropout)
     for kernel, programs in _kernels(plan):
         run_tuned(kernel, plan.config_key, _launcher(plan, programs, q, k, v, do, lse2, delta, dq, dk, dv,
-                                                     key_lengths, mods, stats_stride, grads))
+                                                     key_lengths, mods, stats_stride, dropout_args, grads))
     return dq, dk, dv, grads
 
 
@@ -448,4 +484,5 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
         cfg = planned(kernel, plan.config_key)
         if cfg is not None:
             _launcher(plan, programs, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape),
-                      Standin(v.dtype, v.shape), key_lengths, mods, stats_stride, ahead=True)(cfg)
+                      Standin(v.dtype, v.shape), key_lengths, mods, stats_stride, plan.dropout_args(None, ahead=True),
+                      ahead=True)(cfg)

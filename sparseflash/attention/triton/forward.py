@@ -16,6 +16,9 @@ Constexpr flags (one kernel body, specialised by the compiler):
   MASK_MOD        SPARSE only: a generated element predicate (codegen.py) for the partial blocks, or None.
   SCORE_MOD       a generated score function (codegen.py) for every computed score, or None; both read
                   their captured tensors through the MODS table.
+  DROPOUT         drop probabilities with the seed at SEED: a score is dropped when its random 31-bit
+                  integer is below dropout_threshold, a kept one scaled by dropout_scale
+                  (sparseflash.attention.dropout); the sum l takes every probability.
 
 The softmax runs in base 2: scores are scaled by scale * log2(e), the running max m and sum l
 are kept per row and the output is divided by l once at the end; lse = (m + log2 l) * ln 2.
@@ -35,25 +38,26 @@ import triton.language as tl
 from sparseflash.attention.triton import forward_decode, forward_persistent
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import LaunchPlan
-from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, forward_row, row_tile_ranges
+from sparseflash.attention.triton.tiles import DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_seed, row_tile_ranges
 from sparseflash.attention.triton.tuning import KernelConfig, planned, run_tuned
 
 
-@triton.jit(do_not_specialize=ROW_LENGTH_ARGS)
+@triton.jit(do_not_specialize=[*ROW_LENGTH_ARGS, *DROPOUT_ARGS])
 def _attn_fwd(
     Q, K, V, O, LSE, KEY_LENGTHS,
-    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS,
+    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, SEED,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
-    heads, groups, q_len, kv_len, head_dim, qk_scale,
+    heads, groups, q_len, kv_len, head_dim, qk_scale, dropout_threshold, dropout_scale,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
     tl.static_assert(SPARSE_BLOCK_N % BLOCK_N == 0, "BLOCK_N must divide SPARSE_BLOCK_N")
@@ -81,8 +85,9 @@ def _attn_fwd(
     o, lse = forward_row(
         q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, 0, full_hi, full_idx, part_lo, part_hi,
         part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
-        MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N,
-        HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+        load_seed(SEED, DROPOUT), bh, q_start, dropout_threshold, dropout_scale,
+        MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, DROPOUT, True, BLOCK_M, BLOCK_N,
+        SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim))
     tl.store(LSE + bh * q_len + offs_m, lse, mask=offs_m < q_len)
@@ -92,20 +97,22 @@ def _attn_fwd(
 FORWARD = Launcher(_attn_fwd)
 
 
-def _launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mods: torch.Tensor,
+def _launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mods: torch.Tensor, dropout,
             ahead: bool = False) -> KernelConfig | None:
-    """Launch the forward with ``cfg`` (``ahead``: only compile what that launch needs; o and lse may be
-    ``Standin``s). Configs with ``persistent`` go to forward_persistent.py where the tensors' layouts
-    allow, else to this kernel with the same tiles; returns the config that ran where it is not cfg."""
+    """Launch the forward with ``cfg`` (``dropout``: ``plan.dropout_args``; ``ahead``: only compile what that
+    launch needs; o and lse may be ``Standin``s). Configs with ``persistent`` go to forward_persistent.py
+    where the tensors' layouts allow, else to this kernel with the same tiles; returns the config that ran
+    where it is not cfg."""
     if cfg.persistent:
         if forward_persistent.launch(plan, cfg, q, k, v, o, lse, mods, ahead):
             return None
         cfg = dataclasses.replace(cfg, persistent=False)  # a layout TMA cannot read
     tables, table_strides = plan.tables_of("kv")
+    seed, *dropout_scalars = dropout
     (FORWARD.compile_ahead if ahead else FORWARD)(
-        (cdiv(plan.q_len, cfg.block_m), plan.batch * plan.heads), (q, k, v, o, lse, key_lengths, *tables, mods),
+        (cdiv(plan.q_len, cfg.block_m), plan.batch * plan.heads), (q, k, v, o, lse, key_lengths, *tables, mods, seed),
         (*q.stride(), *k.stride(), *v.stride(), *o.stride(), *table_strides, plan.heads, plan.groups,
-         plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale), plan.constexprs(cfg))
+         plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale, *dropout_scalars), plan.constexprs(cfg))
     return cfg
 
 
@@ -114,15 +121,16 @@ def _kernel(plan: LaunchPlan):
     return ("decode", forward_decode.launch) if forward_decode.applies(plan) else ("forward", _launch)
 
 
-def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
-                      captures=()) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=(),
+                      dropout=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``o (B, H, S_q, D)`` in ``q.dtype`` and ``lse (B, H, S_q)`` fp32; ``key_lengths`` as
-    ``plan.key_lengths_arg`` gives it."""
+    ``plan.key_lengths_arg`` gives it; ``dropout``: a ``Dropout`` where the plan has one, else None."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     mods = plan.mods_table(list(captures))
+    dropout_args = plan.dropout_args(dropout)
     name, launch = _kernel(plan)
-    run_tuned(name, plan.config_key, lambda cfg: launch(plan, cfg, q, k, v, o, lse, key_lengths, mods))
+    run_tuned(name, plan.config_key, lambda cfg: launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, dropout_args))
     return o, lse
 
 
@@ -133,4 +141,4 @@ def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, 
     cfg = planned(name, plan.config_key)
     if cfg is not None:
         launch(plan, cfg, q, k, v, Standin(q.dtype, q.shape), Standin(torch.float32, q.shape[:3]), key_lengths,
-               plan.mods_table(list(captures)), ahead=True)
+               plan.mods_table(list(captures)), plan.dropout_args(None, ahead=True), ahead=True)

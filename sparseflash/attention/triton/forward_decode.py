@@ -12,7 +12,7 @@ for the GPU and each streaming its head's whole K and V, once per query head of 
 
 Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N,
 SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS,
-MASK_MOD, SCORE_MOD), and
+MASK_MOD, SCORE_MOD, DROPOUT), and
   PACK      heads per program; row r of its tile is query r % q_len of head r // q_len of the pack.
   SPLIT     the program stores its share into the partial buffers (splits > 1), else o and lse.
 The queries fit in one mask block (MAX_QUERIES is the smallest block), so every row of a program
@@ -27,7 +27,7 @@ import triton.language as tl
 
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv, multiprocessors
 from sparseflash.attention.triton.plan import LaunchPlan
-from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, forward_row, row_tile_ranges
+from sparseflash.attention.triton.tiles import DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_seed, row_tile_ranges
 from sparseflash.attention.triton.tuning import KernelConfig
 
 MAX_QUERIES = 16  # query rows up to which a forward takes this kernel: no more than a mask block's (>= 16)
@@ -45,22 +45,23 @@ def _split_share(full_hi, part_lo, part_hi, split, splits):
             part_lo + tl.minimum(tl.maximum(hi - full_hi, 0), n_part))
 
 
-@triton.jit(do_not_specialize=[*ROW_LENGTH_ARGS, "splits", "stride_lse_split"])
+@triton.jit(do_not_specialize=[*ROW_LENGTH_ARGS, *DROPOUT_ARGS, "splits", "stride_lse_split"])
 def _attn_fwd_decode(
     Q, K, V, O, LSE, KEY_LENGTHS,
-    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS,
+    FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, SEED,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
     heads, groups, q_len, kv_len, head_dim, qk_scale, splits, stride_o_split, stride_lse_split,
+    dropout_threshold, dropout_scale,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-    PACK: tl.constexpr, SPLIT: tl.constexpr,
+    DROPOUT: tl.constexpr, PACK: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (row tiles of PACK * q_len rows, batch x heads / PACK, splits)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -98,8 +99,9 @@ def _attn_fwd_decode(
     o, lse = forward_row(
         q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, full_lo, full_hi, full_idx, part_lo, part_hi,
         part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h[:, None], q_len, kv_len, MODS,
-        MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N,
-        HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+        load_seed(SEED, DROPOUT), (b * heads + h)[:, None], 0, dropout_threshold, dropout_scale,
+        MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, DROPOUT, False, BLOCK_M, BLOCK_N,
+        SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     o_ptrs = O + b * stride_ob + h[:, None] * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=rows_in[:, None] & (offs_d[None, :] < head_dim))
     tl.store(LSE + (b * heads + h) * q_len + offs_m, lse, mask=rows_in)
@@ -170,10 +172,10 @@ def splits(plan: LaunchPlan, cfg: KernelConfig, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, wanted, int(row_tiles // SPLIT_MIN_TILES)))
 
 
-def launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mods: torch.Tensor,
+def launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mods: torch.Tensor, dropout,
            ahead: bool = False) -> None:
-    """Launch the split-KV forward with ``cfg`` into o and lse (``ahead``: only compile what that launch
-    needs; o and lse may be ``Standin``s)."""
+    """Launch the split-KV forward with ``cfg`` into o and lse (``dropout``: ``plan.dropout_args``;
+    ``ahead``: only compile what that launch needs; o and lse may be ``Standin``s)."""
     n_splits, heads_per_program = splits(plan, cfg, q.device), pack(plan)
     out, out_lse, split_strides = o, lse, (0, 0)
     if n_splits > 1:  # the shares' o and lse, merged below
@@ -190,10 +192,11 @@ def launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mo
     tables, table_strides = plan.tables_of("kv")
     grid = (cdiv(heads_per_program * plan.q_len, cfg.block_m), plan.batch * plan.heads // heads_per_program,
             n_splits)
+    seed, *dropout_scalars = dropout
     (DECODE.compile_ahead if ahead else DECODE)(
-        grid, (q, k, v, out, out_lse, key_lengths, *tables, mods),
+        grid, (q, k, v, out, out_lse, key_lengths, *tables, mods, seed),
         (*q.stride(), *k.stride(), *v.stride(), *out.stride()[-4:], *table_strides, plan.heads, plan.groups,
-         plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale, n_splits, *split_strides),
+         plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale, n_splits, *split_strides, *dropout_scalars),
         plan.constexprs(cfg, PACK=heads_per_program, SPLIT=n_splits > 1))
     if n_splits > 1:
         (COMBINE.compile_ahead if ahead else COMBINE)(

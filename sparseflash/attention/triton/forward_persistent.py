@@ -1,18 +1,21 @@
 """The persistent, warp-specialised forward for Hopper (TMA), and when it applies.
 
 Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N,
-SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS), and
+SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS; DROPOUT
+off), and
   NUM_PROGRAMS  programs launched (the GPU's SM count): program p takes tiles p, p + NUM_PROGRAMS, ...
 
 It takes the problems whose tiles need no bounds (``mode``): DENSE and CAUSAL masks whose lengths
-128-row tiles divide, SPARSE masks whose lengths their blocks divide; no key_lengths, an unpadded head dim (<= 128), fp16/bf16; and inputs
-whose rows TMA can read (``row_view_rows``). A SPARSE mask with partial tiles (a causal diagonal, a
-mask_mod that cuts tiles) walks all its computed tiles in one loop and masks every tile, as CAUSAL
-does: a second loop makes the warp-specialisation pass fail. A score function applies to every tile. Triton's warp specialisation (num_warps=4) splits its tile loop into a producer
-warp that loads by TMA and two consumer warpgroups of BLOCK_M / 2 rows each; the producer loads the
-next tile's Q while the consumers finish the current one. ``SPARSEFLASH_PERSISTENT``: "auto"
-(default) lets the tuner time it against the other forward where it applies on Hopper, "1" takes it
-wherever it applies (also under the interpreter), "0" never does.
+128-row tiles divide, SPARSE masks whose lengths their blocks divide; no key_lengths, no dropout
+(``LaunchPlan``), an unpadded head dim (<= 128), fp16/bf16; and inputs whose rows TMA can read
+(``row_view_rows``). A SPARSE mask with partial tiles (a causal diagonal, a mask_mod that cuts tiles)
+walks all its computed tiles in one loop and masks every tile, as CAUSAL does: a second loop makes the
+warp-specialisation pass fail. A score function applies to every tile. Triton's warp specialisation
+(num_warps=4) splits its tile loop into a producer warp that loads by TMA and two consumer warpgroups
+of BLOCK_M / 2 rows each; the producer loads the next tile's Q while the consumers finish the current
+one. ``SPARSEFLASH_PERSISTENT``: "auto" (default) lets the tuner time it against the other forward
+where it applies on Hopper, "1" takes it wherever it applies (also under the interpreter), "0" never
+does.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def _fwd_tiles_tma(acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col,
             else:
                 keep = MASK_MOD(b, h, offs_m[:, None], offs_kv[None, :], MODS)
             s = tl.where(keep, s, float("-inf"))
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MAY_BE_EMPTY, DOT_PRECISION, WIDEN_DOTS)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, 0, MAY_BE_EMPTY, False, DOT_PRECISION, WIDEN_DOTS)
     return acc, l_i, m_i
 
 
@@ -94,7 +97,7 @@ def _attn_fwd_persistent(
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
+    DROPOUT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
 ):
     """The forward of masks whose tiles divide the lengths, as NUM_PROGRAMS programs that each take
     every NUM_PROGRAMS-th (batch x head, query tile), with Q, K, V (and, for DENSE and CAUSAL, O) moved
@@ -103,8 +106,8 @@ def _attn_fwd_persistent(
     Triton's warp specialisation (Hopper, num_warps=4) splits the tile loop into a producer warp
     that loads and two consumer warpgroups of BLOCK_M / 2 rows each; the producer loads the next
     tile's Q while the consumers finish the current one."""
-    tl.static_assert(not HAS_KEY_LENGTHS and not D_PADDED,
-                     "the persistent forward takes no key_lengths and unpadded heads only")
+    tl.static_assert(not HAS_KEY_LENGTHS and not D_PADDED and not DROPOUT,
+                     "the persistent forward takes no key_lengths and no dropout, and unpadded heads only")
     q_desc = row_view(Q, q_rows, stride_qm, BLOCK_M, HEAD_DIM)
     k_desc = row_view(K, k_rows, stride_kn, BLOCK_N, HEAD_DIM)
     v_desc = row_view(V, v_rows, stride_vn, BLOCK_N, HEAD_DIM)

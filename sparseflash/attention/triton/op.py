@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from sparseflash.attention.dropout import Dropout
 from sparseflash.attention.triton.backward import attention_backward, compile_backward_ahead
 from sparseflash.attention.triton.forward import attention_forward, compile_forward_ahead
 from sparseflash.attention.triton.launch import interpreting
@@ -13,17 +14,19 @@ from sparseflash.masks import BlockMask
 from sparseflash.masks.functions import Graph, trace
 
 
-def triton_forward(q, k, v, plan: LaunchPlan, key_lengths, score_graph: Graph | None):
-    """``(o, lse)``; ``plan``: ``LaunchPlan.of`` the inputs; ``score_graph``: the traced score function, or None."""
-    return attention_forward(q, k, v, plan.key_lengths_arg(key_lengths), plan, plan.captures(score_graph))
+def triton_forward(q, k, v, plan: LaunchPlan, key_lengths, score_graph: Graph | None, dropout: Dropout | None = None):
+    """``(o, lse)``; ``plan``: ``LaunchPlan.of`` the inputs (with dropout where ``dropout`` is given);
+    ``score_graph``: the traced score function, or None."""
+    return attention_forward(q, k, v, plan.key_lengths_arg(key_lengths), plan, plan.captures(score_graph), dropout)
 
 
-def triton_backward(q, k, v, o, lse, do, dlse, plan: LaunchPlan, key_lengths, score_graph: Graph | None):
+def triton_backward(q, k, v, o, lse, do, dlse, plan: LaunchPlan, key_lengths, score_graph: Graph | None,
+                    dropout: Dropout | None = None):
     """``dq, dk, dv`` and the gradients of the score function's captured tensors that require grad, in slot
-    order, in their dtypes. ``do`` None: only lse was used."""
+    order, in their dtypes. ``do`` None: only lse was used; ``dropout``: the forward's."""
     captures = plan.captures(score_graph)
     dq, dk, dv, grads = attention_backward(q, k, v, o, lse, torch.zeros_like(o) if do is None else do, dlse,
-                                           plan.key_lengths_arg(key_lengths), plan, captures)
+                                           plan.key_lengths_arg(key_lengths), plan, captures, dropout)
     score_part = slice(len(plan.mask_captures), None)  # a mask_mod's captured tensors get no gradient
     return dq, dk, dv, [g.to(t.dtype) for g, t in zip(grads[score_part], captures[score_part]) if g is not None]
 
@@ -46,15 +49,15 @@ def compile_ahead(q, k, v, plan: LaunchPlan, key_lengths, score_graph: Graph | N
 
 
 class TritonAttentionFunction(torch.autograd.Function):
-    """Saves only ``q, k, v, o, lse`` (and key_lengths, the launch plan and the score graph as attributes).
-    The captured tensors of the score function that require grad are inputs too, so that they get their
-    gradients."""
+    """Saves only ``q, k, v, o, lse`` (and key_lengths, the launch plan, the score graph and the dropout
+    seed as attributes). The captured tensors of the score function that require grad are inputs too, so
+    that they get their gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, key_lengths, score_graph, *trained):
-        o, lse = triton_forward(q, k, v, plan, key_lengths, score_graph)
+    def forward(ctx, q, k, v, plan, key_lengths, score_graph, dropout, *trained):
+        o, lse = triton_forward(q, k, v, plan, key_lengths, score_graph, dropout)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.plan, ctx.key_lengths, ctx.score_graph = plan, key_lengths, score_graph
+        ctx.plan, ctx.key_lengths, ctx.score_graph, ctx.dropout = plan, key_lengths, score_graph, dropout
         ctx.set_materialize_grads(False)  # an unused lse gets dlse None, not a zero-filled tensor
         return o, lse
 
@@ -62,16 +65,17 @@ class TritonAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv, capture_grads = triton_backward(q, k, v, o, lse, do, dlse, ctx.plan, ctx.key_lengths,
-                                                    ctx.score_graph)
-        return dq, dk, dv, None, None, None, *capture_grads
+                                                    ctx.score_graph, ctx.dropout)
+        return dq, dk, dv, None, None, None, None, *capture_grads
 
 
-def triton_attention(q, k, v, mask: BlockMask, key_lengths, scale: float, score_mod=None):
+def triton_attention(q, k, v, mask: BlockMask, key_lengths, scale: float, score_mod=None,
+                     dropout: Dropout | None = None):
     """``(o, lse)`` through the Triton kernels, differentiable in ``q, k, v`` and in the tensors ``score_mod``
-    captures."""
+    captures; ``dropout``: drop probabilities with it, or None."""
     score_graph = trace(score_mod, "score_mod") if score_mod is not None else None
-    plan = LaunchPlan.of(q, k, mask, key_lengths is not None, scale, score_graph)
+    plan = LaunchPlan.of(q, k, mask, key_lengths is not None, scale, score_graph, dropout is not None)
     trained = score_graph.trained if score_graph is not None else []
     compile_ahead(q, k, v, plan, key_lengths, score_graph,
                   torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *trained)))
-    return TritonAttentionFunction.apply(q, k, v, plan, key_lengths, score_graph, *trained)
+    return TritonAttentionFunction.apply(q, k, v, plan, key_lengths, score_graph, dropout, *trained)

@@ -4,7 +4,8 @@ A ``LaunchPlan`` holds the shapes, the mask's block tables on the device, the tu
 constexpr flags shared by the forward and backward kernels, and the helpers generated from the
 mask's mask_mod and the call's score_mod with the tensors they capture. ``LaunchPlan.of`` keeps it
 on the mask (``mask.derived``), keyed by what it depends on (shapes, dtype, device, scale,
-key_lengths presence, score_mod): building it cost ~25 µs of host time per call on an H100 host.
+key_lengths presence, score_mod, dropout presence): building it cost ~25 µs of host time per call on
+an H100 host.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import torch
 import triton
 
+from sparseflash.attention.dropout import Dropout
 from sparseflash.attention.triton import codegen, forward_persistent
-from sparseflash.attention.triton.launch import interpreting
+from sparseflash.attention.triton.launch import Standin, interpreting
 from sparseflash.attention.triton.tuning import ConfigKey, KernelConfig
 from sparseflash.masks import BlockMask, MaskKind, layout_to_tables
 from sparseflash.masks.functions import Graph
@@ -28,23 +30,24 @@ class LaunchPlan:
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, has_key_lengths: bool,
-           scale: float, score_graph: Graph | None = None) -> "LaunchPlan":
+           scale: float, score_graph: Graph | None = None, dropout: bool = False) -> "LaunchPlan":
         per_mask = mask.derived.setdefault("triton", {})
         key = (q.shape, k.shape, q.dtype, q.device, has_key_lengths, scale,
-               None if score_graph is None else score_graph.key())
+               None if score_graph is None else score_graph.key(), dropout)
         plan = per_mask.get(key)
         if plan is None:
-            plan = per_mask[key] = cls(q, k, mask, has_key_lengths, scale, score_graph)
+            plan = per_mask[key] = cls(q, k, mask, has_key_lengths, scale, score_graph, dropout)
         return plan
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, has_key_lengths: bool, scale: float,
-                 score_graph: Graph | None = None):
+                 score_graph: Graph | None = None, dropout: bool = False):
         self.batch, self.heads, self.q_len, self.head_dim = q.shape
         self.kv_heads, self.kv_len = k.shape[1], k.shape[2]
         self.groups = self.heads // self.kv_heads
         self.scale, self.qk_scale = scale, scale * LOG2E
         self.padded_dim = max(16, triton.next_power_of_2(self.head_dim))
         self.has_key_lengths = has_key_lengths
+        self.dropout = dropout  # the kernels drop probabilities (DROPOUT): every call then gives a Dropout
         self.kind, self.causal, self.sparse_block = mask.kind, mask.causal, mask.block_size
         self.mean_row_keys = max(1.0, mask.mean_row_blocks) * mask.block_size[1]  # keys a query row walks
         self.layout_heads = mask.num_heads if mask.kind is MaskKind.SPARSE else 1  # 1: shared by the heads
@@ -52,11 +55,13 @@ class LaunchPlan:
         self.dot_precision = "tf32" if q.dtype is torch.float32 and not interpreting() else "ieee"
         self._placeholder = torch.empty(1, dtype=torch.int32, device=q.device)  # for absent tensors
         self._mods(mask, score_graph)
-        # loads of captured tensors at per-score addresses fail Triton 3.6's warp-specialisation pass
-        persistent = "" if self._loads_per_score(mask, score_graph) else forward_persistent.mode(
+        # loads of captured tensors at per-score addresses fail Triton 3.6's warp-specialisation pass;
+        # the persistent forward has no dropout
+        persistent = "" if dropout or self._loads_per_score(mask, score_graph) else forward_persistent.mode(
             q, k, mask, has_key_lengths, self.padded_dim)
         score = "score-special" if score_graph is not None and score_graph.uses_special_functions else "score"
-        mods = "+".join(name for name, fn in (("mask", self.mask_mod), (score, self.score_mod)) if fn is not None)
+        mods = "+".join(name for name, on in (("mask", self.mask_mod is not None),
+                                              (score, self.score_mod is not None), ("dropout", dropout)) if on)
         self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods)
         tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
         self._tables = {side: self._tables_of(tables, side) for side in ("kv", "q")}
@@ -107,6 +112,15 @@ class LaunchPlan:
             self._mods_tables[layout] = codegen.mods_table(captures, [None] * len(captures), self._placeholder.device)
         return self._mods_tables[layout]
 
+    def dropout_args(self, dropout: Dropout | None, ahead: bool = False) -> tuple:
+        """The kernels' dropout arguments: the seed tensor (a placeholder without dropout; a ``Standin``
+        with ``ahead``), the threshold and the scale of the kept probabilities."""
+        if not self.dropout:
+            return self._placeholder, 0, 1.0
+        if ahead:
+            return Standin(torch.int64, ()), 0, 1.0
+        return dropout.seed, dropout.threshold, dropout.scale
+
     def key_lengths_arg(self, key_lengths: torch.Tensor | None) -> torch.Tensor:
         """``key_lengths`` as the kernels read it (int32), or a placeholder (HAS_KEY_LENGTHS is off)."""
         return self._placeholder if key_lengths is None else key_lengths.to(torch.int32).contiguous()
@@ -142,7 +156,7 @@ class LaunchPlan:
             SPARSE_BLOCK_M=self.sparse_block[0], SPARSE_BLOCK_N=self.sparse_block[1],
             HEAD_DIM=self.padded_dim, D_PADDED=self.padded_dim != self.head_dim,
             DOT_PRECISION=self.dot_precision, WIDEN_DOTS=interpreting(), EVEN_LENGTHS=even,
-            MASK_MOD=self.mask_mod, SCORE_MOD=self.score_mod,
+            MASK_MOD=self.mask_mod, SCORE_MOD=self.score_mod, DROPOUT=self.dropout,
         )
 
 

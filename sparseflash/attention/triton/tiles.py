@@ -15,6 +15,8 @@ Constexpr flags the helpers take (the kernels pass their own through):
   MASK_MOD        a generated element predicate (codegen.py), applied with APPLY_MASK_MOD (partial
                   tiles), or None.
   SCORE_MOD       a generated score function (codegen.py) applied to every computed score, or None.
+  DROPOUT         drop probabilities by ``dropout_kept`` (seed, threshold) and scale the kept ones by
+                  drop_scale (sparseflash.attention.dropout states the pattern).
 
 Scores are kept in base 2: the kernels scale q k^T by ``scale * log2(e)`` and use exp2/log2. A
 score_mod sees the natural score ``scale * q.k`` and its result is then scaled by log2(e).
@@ -29,6 +31,8 @@ import triton.language as tl
 # vector loads.
 ROW_LENGTH_ARGS = ["q_len", "kv_len", "stride_num_b", "stride_num_h", "stride_num_m", "stride_idx_b",
                    "stride_idx_h", "stride_idx_m"]
+# The dropout threshold changes with the drop probability: a new probability compiles nothing new.
+DROPOUT_ARGS = ["dropout_threshold"]
 
 @triton.jit
 def mma(a, b, acc, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
@@ -178,10 +182,82 @@ def key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_v
 
 
 @triton.jit
-def online_softmax_step(acc, l_i, m_i, s, v, MAY_BE_EMPTY: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        WIDEN_DOTS: tl.constexpr):
+def load_seed(SEED, DROPOUT: tl.constexpr):
+    """The dropout seed (int64) at SEED, or 0 without DROPOUT."""
+    if DROPOUT:
+        return tl.load(SEED)
+    else:
+        return 0
+
+
+@triton.jit
+def dropout_kept(seed, drop_row, q_idx, kv_idx, threshold):
+    """Whether dropout keeps the scores at query positions q_idx and key positions kv_idx (tiles that
+    broadcast together, either way round) of row stream drop_row (b * H + h: a scalar, or a tile for
+    rows of several heads): Philox-4x32-10 keyed by seed (int64) at the counter
+    (kv_idx', q_idx', drop_row, 0), where x' = (x // 16) * 8 + x % 8, takes word
+    2 * (q_idx // 8 % 2) + kv_idx // 8 % 2 of the four; kept when that word's upper 31 bits are at
+    least threshold (sparseflash.attention.dropout computes the same in PyTorch)."""
+    c0 = (((kv_idx >> 4) << 3) | (kv_idx & 7)).to(tl.uint32)
+    c1 = (((q_idx >> 4) << 3) | (q_idx & 7)).to(tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, drop_row, 0)
+    high_col = ((kv_idx >> 3) & 1) == 1
+    word = tl.where(((q_idx >> 3) & 1) == 1, tl.where(high_col, w3, w2), tl.where(high_col, w1, w0))
+    return (word >> 1).to(tl.int32, bitcast=True) >= threshold
+
+
+@triton.jit
+def _kept_word(word, threshold):
+    return (word >> 1).to(tl.int32, bitcast=True) >= threshold
+
+
+@triton.jit
+def dropout_kept_tile(seed, drop_row, row_start, col_start, threshold, ROWS: tl.constexpr, COLS: tl.constexpr,
+                      ROWS_ARE_QUERIES: tl.constexpr):
+    """``dropout_kept`` of the (ROWS, COLS) tile of positions row_start + [0, ROWS) and col_start + [0, COLS)
+    (each start a multiple of 16, each size one too), queries along the rows (ROWS_ARE_QUERIES) or
+    along the columns. It draws each counter once, for its four scores (i, j), (i, j + 8), (i + 8, j),
+    (i + 8, j + 8), and spreads the words by join, reshape and permute: on a tensor-core tile a thread
+    holds such quads either way round, so the compiler moves no data (the tile comes out in the dot's
+    layout), and the draws are a quarter of ``dropout_kept``'s."""
+    rows = row_start // 2 + tl.arange(0, ROWS // 2)  # x' of the quads' first rows and columns
+    cols = col_start // 2 + tl.arange(0, COLS // 2)
+    if ROWS_ARE_QUERIES:
+        w0, w1, w2, w3 = tl.philox(seed, cols[None, :].to(tl.uint32), rows[:, None].to(tl.uint32), drop_row, 0)
+        first, second, third, fourth = w0, w1, w2, w3  # by (row half, column half): word 2 * row + column
+    else:
+        w0, w1, w2, w3 = tl.philox(seed, rows[:, None].to(tl.uint32), cols[None, :].to(tl.uint32), drop_row, 0)
+        first, second, third, fourth = w0, w2, w1, w3  # word 2 * column half + row half
+    # [row', column', column half, row half] -> [row blocks of 16, row half, 8, column blocks, column half, 8]
+    quads = tl.join(tl.join(_kept_word(first, threshold), _kept_word(second, threshold)),
+                    tl.join(_kept_word(third, threshold), _kept_word(fourth, threshold)))
+    quads = tl.reshape(quads, [ROWS // 16, 8, COLS // 16, 8, 2, 2])
+    return tl.reshape(tl.permute(quads, 0, 5, 1, 2, 4, 3), [ROWS, COLS])
+
+
+@triton.jit
+def forward_kept(seed, drop_row, row_start, col_start, offs_m, offs_kv, threshold, DROPOUT: tl.constexpr,
+                 ALIGNED_ROWS: tl.constexpr):
+    """The dropout keep mask of a forward tile (rows offs_m from row_start, keys offs_kv from col_start):
+    by ``dropout_kept_tile`` where the rows are consecutive queries from a multiple of 16 (ALIGNED_ROWS),
+    else score by score; 0 (unused) without DROPOUT."""
+    if DROPOUT:
+        if ALIGNED_ROWS:
+            return dropout_kept_tile(seed, drop_row, row_start, col_start, threshold, offs_m.shape[0],
+                                     offs_kv.shape[0], True)
+        else:
+            return dropout_kept(seed, drop_row, offs_m[:, None], offs_kv[None, :], threshold)
+    else:
+        return 0
+
+
+@triton.jit
+def online_softmax_step(acc, l_i, m_i, s, v, kept, MAY_BE_EMPTY: tl.constexpr, DROPOUT: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Fold one key tile, base-2 scores s (BM, BN) and values v (BN, D), into the running output
-    acc (BM, D), sum l and max m; MAY_BE_EMPTY: a row of s may be all -inf (masked tiles)."""
+    acc (BM, D), sum l and max m; MAY_BE_EMPTY: a row of s may be all -inf (masked tiles). With
+    DROPOUT the sum takes every probability and the output only those ``kept`` (BM, BN) keeps,
+    unscaled."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if MAY_BE_EMPTY:
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
@@ -191,6 +267,8 @@ def online_softmax_step(acc, l_i, m_i, s, v, MAY_BE_EMPTY: tl.constexpr, DOT_PRE
     alpha = tl.math.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    if DROPOUT:
+        p = tl.where(kept, p, 0.0)
     acc = mma(p.to(v.dtype), v, acc, DOT_PRECISION, WIDEN_DOTS)
     return acc, l_i, m_new
 
@@ -207,22 +285,28 @@ def finish_rows(acc, l_i, m_i):
 @triton.jit
 def forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
+               seed, drop_row, row_start, drop_threshold,
                FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
                APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-               BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
+               DROPOUT: tl.constexpr, ALIGNED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
+               D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Online softmax over key tiles t_lo..t_hi-1 of one query tile (the forward kernels' loop). ``offs_m``
-    are the rows' query positions and ``h`` their head: a scalar, or a column of one head per row."""
+    are the rows' query positions and ``h`` their head, ``drop_row`` their dropout row stream: each a
+    scalar, or a column of one per row (``forward_kept`` says what ALIGNED_ROWS and row_start are)."""
     # a row of a tile may lose every key to the masks, or to a score function returning -inf
     MAY_BE_EMPTY: tl.constexpr = APPLY_CAUSAL or APPLY_KV_BOUND or APPLY_MASK_MOD or SCORE_MOD is not None
     block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     for t in range(t_lo, t_hi):
-        offs_kv = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N) + offs_n
+        kv_start = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
+        offs_kv = kv_start + offs_n
         s, _, v, _ = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv,
                                      offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS, APPLY_CAUSAL,
                                      APPLY_KV_BOUND, APPLY_MASK_MOD, MASK_MOD, SCORE_MOD, D_PADDED, False,
                                      DOT_PRECISION, WIDEN_DOTS)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, MAY_BE_EMPTY, DOT_PRECISION, WIDEN_DOTS)
+        kept = forward_kept(seed, drop_row, row_start, kv_start, offs_m, offs_kv, drop_threshold, DROPOUT,
+                            ALIGNED_ROWS)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, kept, MAY_BE_EMPTY, DROPOUT, DOT_PRECISION,
+                                            WIDEN_DOTS)
         block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     return acc, l_i, m_i
 
@@ -230,13 +314,16 @@ def forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride
 @triton.jit
 def forward_row(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, full_lo, full_hi, full_idx,
                 part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
-                MODS, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
-                EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+                MODS, seed, drop_row, row_start, drop_threshold, drop_scale,
+                MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
+                EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, DROPOUT: tl.constexpr,
+                ALIGNED_ROWS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
                 HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 WIDEN_DOTS: tl.constexpr):
     """The rows' output (fp32, BLOCK_M x HEAD_DIM) and lse over their unmasked tiles [full_lo, full_hi),
-    then their masked tiles [part_lo, part_hi) (``row_tile_ranges``' runs, or a share of them)."""
+    then their masked tiles [part_lo, part_hi) (``row_tile_ranges``' runs, or a share of them); with
+    DROPOUT the output of the kept probabilities, scaled by drop_scale."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -247,12 +334,16 @@ def forward_row(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, f
     acc, l_i, m_i = forward_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
         full_lo, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
-        WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD, SCORE_MOD, BLOCK_N, SPARSE_BLOCK_N, D_PADDED,
-        DOT_PRECISION, WIDEN_DOTS)
+        seed, drop_row, row_start, drop_threshold, WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD, SCORE_MOD,
+        DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     if part_hi > part_lo:  # rows without partial blocks skip the masked run's set-up and drain
         acc, l_i, m_i = forward_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
             part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
-            MODS, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD, SCORE_MOD, BLOCK_N,
-            SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
-    return finish_rows(acc, l_i, m_i)
+            MODS, seed, drop_row, row_start, drop_threshold, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND,
+            MASK_MOD is not None, MASK_MOD, SCORE_MOD, DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N, D_PADDED,
+            DOT_PRECISION, WIDEN_DOTS)
+    o, lse = finish_rows(acc, l_i, m_i)
+    if DROPOUT:
+        o = o * drop_scale
+    return o, lse

@@ -1,0 +1,103 @@
+"""Dropout on the attention probabilities: which scores a seed drops, the same on every backend.
+
+A call with ``dropout_p > 0`` draws one 64-bit seed from torch's generator of the inputs' device
+(``torch.manual_seed`` makes it repeatable; every call draws a new one). Score ``(b, h, i, j)``
+(batch, query head, query, key) is dropped when a random 31-bit integer is below
+``round(p * 2**31)``, and a kept probability is scaled by ``1 / (1 - p)``:
+``o = (P * Z / (1 - p)) @ V`` with ``P`` the normalised probabilities and ``Z`` the keep mask. The
+log-sum-exp is that of the scores, without dropout.
+
+The random integer is Philox-4x32 with 10 rounds (``tl.philox``, which ``tl.rand`` uses) keyed by
+the seed, at the counter ``(j', i', b * H + h, 0)`` with ``i' = (i // 16) * 8 + i % 8`` and ``j'``
+alike; of the four words it returns, score ``(i, j)`` takes word ``2 * (i // 8 % 2) + j // 8 % 2``,
+shifted right by one. So one counter serves the four scores ``(i, j), (i, j + 8), (i + 8, j),
+(i + 8, j + 8)``: a 16 x 16 tile is four counters' worth of a 8 x 8 grid, and a kernel may draw
+a tile's counters once and spread their words (a thread of a tensor-core tile holds such quads in
+either orientation). Nothing is stored: the backward draws the same numbers again. ``philox``
+below is the same function in PyTorch (int64 arithmetic on 32-bit values), which the
+``reference`` and ``blocked`` backends use, so that every backend drops the same scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+ROUNDS = 10
+KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85  # Philox-4x32's key schedule (Weyl increments)
+ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57  # its round multipliers
+WORD = 0xFFFFFFFF
+SEED_HIGH = 2**63 - 1  # seeds are drawn in [0, SEED_HIGH)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+    """Drop probability ``p`` (0 < p < 1) and ``seed``: an int64 tensor of shape () on the inputs' device."""
+
+    p: float
+    seed: torch.Tensor
+
+    @property
+    def threshold(self) -> int:
+        """A score is dropped when its 31-bit random integer is below this."""
+        return min(round(self.p * 2**31), 2**31 - 1)
+
+    @property
+    def scale(self) -> float:
+        """What a kept probability is multiplied by."""
+        return 1.0 / (1.0 - self.p)
+
+
+def check_p(dropout_p) -> float:
+    """``dropout_p`` as a float in [0, 1), or a ValueError that says what was given."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1); got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def draw_seed(device: torch.device) -> torch.Tensor:
+    """A seed from torch's generator of ``device``: an int64 tensor of shape () there (drawn on the device,
+    so that a GPU call does not wait for the host, and a CUDA graph replays a fresh one)."""
+    return torch.randint(0, SEED_HIGH, (), dtype=torch.int64, device=device)
+
+
+def _mul_parts(constant: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32-bit words of ``constant * x`` for 32-bit values ``x`` (int64), computed from
+    16-bit halves of x so that no product leaves int64."""
+    high_half, low_half = x >> 16, x & 0xFFFF
+    upper, lower = constant * high_half, constant * low_half  # each < 2**48
+    high = (upper + (lower >> 16)) >> 16
+    low = (((upper & 0xFFFF) << 16) + lower) & WORD
+    return high, low
+
+
+def philox(seed: torch.Tensor, c0, c1, c2, c3) -> tuple[torch.Tensor, ...]:
+    """Philox-4x32-10 of the counters ``c0..c3`` (int64 tensors or ints holding 32-bit values, broadcast
+    together) under the 64-bit key ``seed`` (an int64 tensor of shape ()): four int64 tensors of 32-bit
+    words, as ``tl.philox(seed, c0, c1, c2, c3)`` returns them."""
+    seed = seed.to(torch.int64)
+    k0, k1 = seed & WORD, (seed >> 32) & WORD
+    c0, c1, c2, c3 = torch.broadcast_tensors(*(torch.as_tensor(c, dtype=torch.int64, device=seed.device)
+                                               for c in (c0, c1, c2, c3)))
+    for _ in range(ROUNDS):
+        high_b, low_b = _mul_parts(ROUND_B, c2)
+        high_a, low_a = _mul_parts(ROUND_A, c0)
+        c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
+        k0, k1 = (k0 + KEY_A) & WORD, (k1 + KEY_B) & WORD
+    return c0, c1, c2, c3
+
+
+def _spread(index: torch.Tensor) -> torch.Tensor:
+    """``(index // 16) * 8 + index % 8``: the counter coordinate of a query or key index."""
+    return ((index >> 4) << 3) | (index & 7)
+
+
+def kept(dropout: Dropout, heads: int, b, h, q_idx, kv_idx) -> torch.Tensor:
+    """Bool tensor, True where score ``(b, h, q_idx, kv_idx)`` is kept: the int64 index tensors broadcast
+    together (``heads``: the query heads H)."""
+    words = philox(dropout.seed, _spread(kv_idx), _spread(q_idx), b * heads + h, 0)
+    high_row, high_col = (q_idx >> 3) & 1, (kv_idx >> 3) & 1
+    word = torch.where(high_row == 1, torch.where(high_col == 1, words[3], words[2]),
+                       torch.where(high_col == 1, words[1], words[0]))
+    return (word >> 1) >= dropout.threshold
