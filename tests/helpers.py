@@ -11,7 +11,8 @@ stay within the dtype's ``REL_TOL`` too, nothing may be NaN, and the ``-inf`` en
 that see no key) must match exactly. lse is computed in fp32 by every backend and is held to an
 fp32 tolerance (``LSE_TOL``), except for fp32 inputs on a GPU, whose dots run in TF32 by design:
 there the baseline also uses TF32, lse follows the ``FACTOR`` rule and the relative error may reach
-``TF32_REL_TOL``.
+``TF32_REL_TOL``. A call with dropout (``SeededDropout``) is judged against the reference with the
+dropout the call drew.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 import sparseflash
 from sparseflash.attention import resolve_mask
+from sparseflash.attention.dropout import Dropout, draw_seed
 from sparseflash.attention.reference import reference_attention
 from sparseflash.masks.functions import trace
 
@@ -39,6 +41,28 @@ REL_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-5}
 TF32_REL_TOL = 5e-3  # fp32 inputs on a GPU: TF32 dots (10-bit mantissas), as fp16's
 LSE_TOL = 1e-5  # absolute and relative: |lse - lse_ref| <= LSE_TOL * (1 + |lse_ref|)
 NAMES = ("o", "lse", "dq", "dk", "dv")
+
+
+@contextlib.contextmanager
+def seeded(rng_seed: int, device):
+    """Inside: torch's generators (the CPU's and ``device``'s) start from ``torch.manual_seed(rng_seed)``;
+    after it they are as before."""
+    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(rng_seed)
+        yield
+
+
+class SeededDropout(NamedTuple):
+    """Dropout ``p`` for a call made right after ``torch.manual_seed(rng_seed)``."""
+
+    p: float
+    rng_seed: int
+
+    def drawn(self, device) -> Dropout:
+        """The ``Dropout`` such a call on ``device`` uses: its seed drawn the way ``attention`` draws it."""
+        with seeded(self.rng_seed, device):
+            return Dropout(self.p, draw_seed(torch.device(device)))
 
 
 class _Fields(NamedTuple):
@@ -84,19 +108,22 @@ def _grads(run, q, k, v, do, dlse, captures=()) -> Outputs:
 
 
 def attention_with_grads(backend, q, k, v, mask, do, key_lengths=None, *, scale=None, dlse=None,
-                         score_mod=None, compiler=None) -> Outputs:
+                         score_mod=None, compiler=None, dropout: SeededDropout | None = None) -> Outputs:
     """``(o, lse, dq, dk, dv, dcaptures)`` of ``sparseflash.attention`` through ``backend`` for the loss
     ``sum(o * do)`` (``+ sum(lse * dlse)`` over rows that see a key, with ``dlse``); with ``compiler`` (a
-    torch.compile backend) the call runs compiled with ``fullgraph=True``."""
+    torch.compile backend) the call runs compiled with ``fullgraph=True``; with ``dropout`` it drops
+    probabilities, called right after its ``torch.manual_seed``."""
     def run(q, k, v):
         return sparseflash.attention(q, k, v, mask, score_mod=score_mod, key_lengths=key_lengths, scale=scale,
-                                     backend=backend, return_lse=True)
+                                     dropout_p=dropout.p if dropout else 0.0, backend=backend, return_lse=True)
     if compiler is not None:
         run = torch.compile(run, backend=compiler, fullgraph=True)
-    return _grads(run, q, k, v, do, dlse, _trained_captures(score_mod))
+    with seeded(dropout.rng_seed, q.device) if dropout else contextlib.nullcontext():
+        return _grads(run, q, k, v, do, dlse, _trained_captures(score_mod))
 
 
-def _oracle(q, k, v, mask, do, key_lengths, scale, dlse, upcast: bool, score_mod=None) -> Outputs:
+def _oracle(q, k, v, mask, do, key_lengths, scale, dlse, upcast: bool, score_mod=None,
+            dropout: Dropout | None = None) -> Outputs:
     """The reference in fp64 (``upcast``), or in the inputs' precision."""
     block_mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -107,7 +134,7 @@ def _oracle(q, k, v, mask, do, key_lengths, scale, dlse, upcast: bool, score_mod
         q, k, v, do = (_round_to_tf32(x) for x in (q, k, v, do))
     with _tf32_matmuls(tf32):
         return _grads(lambda q, k, v: reference_attention(q, k, v, block_mask, key_lengths, scale, score_mod,
-                                                          upcast=upcast),
+                                                          dropout, upcast=upcast),
                       q, k, v, do, dlse, _trained_captures(score_mod))
 
 
@@ -157,12 +184,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, name:
 
 
 def check_outputs(got: Outputs, q, k, v, mask, do, key_lengths=None, *, scale=None, dlse=None,
-                  names=NAMES, score_mod=None) -> None:
+                  names=NAMES, score_mod=None, dropout: SeededDropout | None = None) -> None:
     """Judge ``got`` (a backend's ``Outputs`` for these inputs) as the module docstring says; the
     gradients of a score_mod's trained captures as o and the gradients are."""
     dtype = q.dtype
-    want = _oracle(q, k, v, mask, do, key_lengths, scale, dlse, True, score_mod)
-    plain = _oracle(q, k, v, mask, do, key_lengths, scale, dlse, False, score_mod)
+    drawn = dropout.drawn(q.device) if dropout else None
+    want = _oracle(q, k, v, mask, do, key_lengths, scale, dlse, True, score_mod, drawn)
+    plain = _oracle(q, k, v, mask, do, key_lengths, scale, dlse, False, score_mod, drawn)
     tf32 = dtype is torch.float32 and q.is_cuda
     triples = [(name, getattr(got, name), getattr(want, name), getattr(plain, name)) for name in names]
     triples += [(f"dcapture{i}", *grads) for i, grads in enumerate(zip(got.dcaptures, want.dcaptures,
@@ -192,10 +220,10 @@ def check_outputs(got: Outputs, q, k, v, mask, do, key_lengths=None, *, scale=No
 
 
 def check_backend(backend, q, k, v, mask, do, key_lengths=None, *, scale=None, dlse=None,
-                  score_mod=None, compiler=None) -> Outputs:
-    """Run ``backend`` on the inputs (compiled by ``compiler``, if given), judge its outputs
-    (``check_outputs``) and return them."""
+                  score_mod=None, compiler=None, dropout: SeededDropout | None = None) -> Outputs:
+    """Run ``backend`` on the inputs (compiled by ``compiler``, if given; with ``dropout``), judge its
+    outputs (``check_outputs``) and return them."""
     got = attention_with_grads(backend, q, k, v, mask, do, key_lengths, scale=scale, dlse=dlse, score_mod=score_mod,
-                               compiler=compiler)
-    check_outputs(got, q, k, v, mask, do, key_lengths, scale=scale, dlse=dlse, score_mod=score_mod)
+                               compiler=compiler, dropout=dropout)
+    check_outputs(got, q, k, v, mask, do, key_lengths, scale=scale, dlse=dlse, score_mod=score_mod, dropout=dropout)
     return got

@@ -158,7 +158,7 @@ def test_plots_render(tiny_run):
 
 
 def test_gate_refuses_a_wrong_backend(tmp_path, monkeypatch):
-    def noisy(q, k, v, mask, ctx, score_mod=None):
+    def noisy(q, k, v, mask, ctx, score_mod=None, dropout_p=0.0):
         def fwd():
             return (q + k + v) * 0 + torch.randn_like(q)  # connected to the inputs, wrong values
         return fwd
@@ -198,7 +198,7 @@ def test_rows_record_the_tuned_kernel_configs(tmp_path, monkeypatch):
 
     used = []
 
-    def tuned(q, k, v, mask, ctx, score_mod=None):  # the blocked kernels' answer, launched through the tuning table
+    def tuned(q, k, v, mask, ctx, score_mod=None, dropout_p=0.0):  # the blocked kernels' answer, launched through the tuning table
         def fwd():
             for kernel in ("forward", "backward"):
                 used.append(tuning.run_tuned(kernel, tuning.ConfigKey.of(q, mask, 16), lambda cfg: None))
@@ -361,3 +361,27 @@ def test_bad_config_is_explained():
         BenchConfig.from_cfg({"backends": ["fast"]})
     with pytest.raises(ValueError, match="unknown mode"):
         BenchConfig.from_cfg({"modes": ["backward"]})
+
+
+def test_dropout_cases_are_timed_unchecked_and_flex_skips_them(tmp_path):
+    """A pattern entry's ``dropout`` reaches the backends: rows carry it, are timed without the gate (each
+    call draws new outputs), and FlexAttention, which has no dropout, is skipped with that reason."""
+    patterns = ["causal", {"name": "causal", "dropout": 0.1}]
+    rows = run({**TINY, "seq_lens": [64], "patterns": patterns, "backends": ["sparseflash-blocked", "flex"],
+                "modes": ["fwdbwd"], "device": "cpu", "plots": {"enabled": False}, "out_dir": str(tmp_path)})
+    dropped = [r for r in rows if r["pattern_label"] == "causal +dropout 0.1"]
+    assert [r["dropout_p"] for r in dropped] == [0.1, 0.1]
+    ours = next(r for r in dropped if r["backend"] == "sparseflash-blocked")
+    assert ours["status"] == "ok" and ours["median_ms"] > 0 and ours["reason"].startswith("unchecked: dropout")
+    plain = next(r for r in rows if r["pattern_label"] == "causal" and r["backend"] == "sparseflash-blocked")
+    assert plain["status"] == "ok" and plain["check_against"] and plain["dropout_p"] == 0.0
+    with pytest.raises(ValueError, match="dropout must be a number"):
+        parse_patterns([{"name": "causal", "dropout": 1.0}])
+
+
+def test_flex_skips_dropout_on_cuda_too():
+    ctx = bench_backends.Context(torch.device("cuda"))
+    q = torch.zeros(1, 1, 64, 16)
+    reason = bench_backends.REGISTRY["flex"].skip_reason(q, make("causal", 64, 64, block=32), ctx, None, 0.1)
+    assert reason == "FlexAttention has no dropout on the probabilities"
+    assert bench_backends.REGISTRY["flex"].skip_reason(q, make("causal", 64, 64, block=32), ctx, None, 0.0) is None

@@ -74,6 +74,22 @@ def test_lra_listops_matches_lra_config():
     assert cfg.task.max_len == 2000 and cfg.trainer.schedule == "rsqrt"
 
 
+# LRA's attention_dropout_rate per task: the model's default 0.1 where the task's config sets none
+# (lra_benchmarks/models/transformer/transformer.py), 0.2 for CIFAR-10 and 0.1 for Pathfinder-32.
+LRA_ATTENTION_DROPOUT = {"lra/listops": 0.1, "lra/text": 0.1, "lra/retrieval": 0.1, "lra/image": 0.2,
+                         "lra/pathfinder": 0.1}
+
+
+@pytest.mark.parametrize("experiment", sorted(LRA_ATTENTION_DROPOUT))
+def test_lra_presets_drop_attention_probabilities_as_lra_does(experiment):
+    """``model.attention_dropout`` reaches every block's SparseAttention, which drops in training only."""
+    cfg = compose_train([f"experiment={experiment}", "attention.backend=blocked", "model.depth=1", "model.dim=32",
+                         "model.mlp_dim=32", "model.heads=2", "attention.block=16"])
+    assert cfg.model.attention_dropout == LRA_ATTENTION_DROPOUT[experiment]
+    model = build_model(cfg.model, cfg.attention, vocab_size=20, max_len=40, num_classes=3, pair=False)
+    assert {block.attn.attn_dropout for block in model.encoder.blocks} == {cfg.model.attention_dropout}
+
+
 @pytest.mark.parametrize("pattern", sparseflash.masks.registered())
 def test_any_registered_pattern_by_name(pattern):
     cfg = compose_train([f"attention.pattern={pattern}"])  # the default's (butterfly's) params are left over

@@ -60,8 +60,10 @@ def sdpa_attention(
     key_lengths: torch.Tensor | None = None,  # (B,) int
     scale: float | None = None,
     kernel: str | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Attention through torch SDPA for a dense or causal ``mask`` (None = dense)."""
+    """Attention through torch SDPA for a dense or causal ``mask`` (None = dense); ``dropout_p``: SDPA's
+    dropout on the probabilities (FlashAttention-2's, in its flash kernel)."""
     kind = MaskKind.DENSE if mask is None else mask.kind
     if kind is MaskKind.SPARSE:
         raise Unsupported("torch SDPA takes only dense and causal masks (this one is block-sparse)")
@@ -78,7 +80,7 @@ def sdpa_attention(
     try:
         with _sdpa_context(kernel):
             return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale, **gqa)
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal, scale=scale, **gqa)
     except RuntimeError as err:
         if "No available kernel" in str(err):
             first = str(err).strip().splitlines()[0]

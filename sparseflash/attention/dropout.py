@@ -49,11 +49,11 @@ class Dropout:
         return 1.0 / (1.0 - self.p)
 
 
-def check_p(dropout_p) -> float:
-    """``dropout_p`` as a float in [0, 1), or a ValueError that says what was given."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a number in [0, 1); got {dropout_p!r}")
-    return float(dropout_p)
+def check_p(p, name: str = "dropout_p") -> float:
+    """``p`` as a float in [0, 1), or a ValueError that says what ``name`` was given."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1); got {p!r}")
+    return float(p)
 
 
 def draw_seed(device: torch.device) -> torch.Tensor:

@@ -10,6 +10,7 @@ from einops import rearrange
 from torch import nn
 
 from sparseflash.attention.api import attention, built_mask
+from sparseflash.attention.dropout import check_p
 from sparseflash.attention.score_mods import make_score_mod
 from sparseflash.masks import BlockMask, MaskSpec
 
@@ -31,18 +32,21 @@ class SparseAttention(nn.Module):
             each sequence length met (and cached); a ``BlockMask`` serves its own length only.
         backend: an ``attention`` backend name.
         dropout: dropout on the output projection.
+        attn_dropout: dropout on the attention probabilities (``attention(dropout_p=...)``, in the
+            kernels), in training mode only.
         score_mod: see ``ScoreModArg``; a name is made for ``heads`` heads (``make_score_mod``).
     """
 
     def __init__(self, dim: int, heads: int, mask: AttentionMask = None, backend: str = "auto",
                  kv_heads: int | None = None, dropout: float = 0.0, bias: bool = True,
-                 score_mod: ScoreModArg = None):
+                 score_mod: ScoreModArg = None, attn_dropout: float = 0.0):
         super().__init__()
         kv_heads = kv_heads or heads
         if dim % heads or heads % kv_heads:
             raise ValueError(f"need dim % heads == 0 and heads % kv_heads == 0; got dim={dim}, "
                              f"heads={heads}, kv_heads={kv_heads}")
         self.dim, self.heads, self.kv_heads, self.head_dim = dim, heads, kv_heads, dim // heads
+        self.attn_dropout = check_p(attn_dropout, "attn_dropout")
         self.backend = backend
         self.mask = mask if mask is None or isinstance(mask, BlockMask) else MaskSpec.from_config(mask)
         self.score_mod = _score_mod(score_mod, heads)
@@ -65,7 +69,7 @@ class SparseAttention(nn.Module):
         q = rearrange(self.to_q(x), "b s (h d) -> b h s d", h=self.heads)
         k, v = rearrange(self.to_kv(x), "b s (two h d) -> two b h s d", two=2, h=self.kv_heads)
         o = attention(q, k, v, self.mask, score_mod=self.score_mod, key_lengths=key_lengths,
-                      backend=self.backend)
+                      dropout_p=self.attn_dropout if self.training else 0.0, backend=self.backend)
         return self.dropout(self.to_out(rearrange(o, "b h s d -> b s (h d)")))
 
 

@@ -1,7 +1,7 @@
 """The backends a sweep can time, by harness name.
 
-Each entry says when it cannot run a case (``skip_reason``: a peer without that mask or score
-function, CUDA-only on CPU, too much memory) and builds, once per case, a zero-argument forward
+Each entry says when it cannot run a case (``skip_reason``: a peer without that mask, score
+function or dropout, CUDA-only on CPU, too much memory) and builds, once per case, a zero-argument forward
 ``fn() -> o`` so that per-case set-up (a Flex block mask) stays out of the timed loop. Add an entry to ``REGISTRY`` to
 time another implementation (the tests add a deliberately wrong one).
 """
@@ -37,15 +37,19 @@ class Context:
 @dataclass(frozen=True)
 class HarnessBackend:
     name: str
-    build: Builder  # (q, k, v, mask, ctx, score_mod) -> fn() -> o
+    build: Builder  # (q, k, v, mask, ctx, score_mod, dropout_p) -> fn() -> o
     impl: Callable[[torch.device], str]  # what actually runs (e.g. "auto" -> "blocked" on CPU)
     cuda_only: str = ""  # non-empty: the reason it is skipped off CUDA
     dense_causal_only: bool = False  # and no score function
     extra_skip: Optional[Callable[..., Optional[str]]] = None  # (q, mask, ctx) -> reason or None
+    no_dropout: str = ""  # non-empty: the reason it is skipped for a case with dropout
 
-    def skip_reason(self, q: torch.Tensor, mask: BlockMask, ctx: Context, score_mod=None) -> Optional[str]:
+    def skip_reason(self, q: torch.Tensor, mask: BlockMask, ctx: Context, score_mod=None,
+                    dropout_p: float = 0.0) -> Optional[str]:
         if self.cuda_only and ctx.device.type != "cuda":
             return self.cuda_only
+        if self.no_dropout and dropout_p:
+            return self.no_dropout
         if self.dense_causal_only and mask.kind is MaskKind.SPARSE:
             return f"{self.name} takes only dense and causal masks (this one is block-sparse or element-masked)"
         if self.dense_causal_only and score_mod is not None:
@@ -56,8 +60,8 @@ class HarnessBackend:
 
 
 def _sparseflash(backend: str) -> Builder:
-    def build(q, k, v, mask, ctx, score_mod=None):
-        return lambda: attention(q, k, v, mask, score_mod=score_mod, backend=backend)
+    def build(q, k, v, mask, ctx, score_mod=None, dropout_p=0.0):
+        return lambda: attention(q, k, v, mask, score_mod=score_mod, dropout_p=dropout_p, backend=backend)
 
     return build
 
@@ -70,14 +74,14 @@ def _reference_skip(q, mask, ctx):
 
 
 def _sdpa(kernel: Optional[str]) -> Builder:
-    def build(q, k, v, mask, ctx, score_mod=None):
-        return lambda: baselines.sdpa_attention(q, k, v, mask, kernel=kernel)
+    def build(q, k, v, mask, ctx, score_mod=None, dropout_p=0.0):
+        return lambda: baselines.sdpa_attention(q, k, v, mask, kernel=kernel, dropout_p=dropout_p)
 
     return build
 
 
 def _flex(backend: str) -> Builder:
-    def build(q, k, v, mask, ctx, score_mod=None):
+    def build(q, k, v, mask, ctx, score_mod=None, dropout_p=0.0):
         block_mask = baselines.to_flex_block_mask(mask, q.device)
         return lambda: baselines.flex_attention(q, k, v, mask, block_mask=block_mask, dynamic=ctx.flex_dynamic,
                                                 score_mod=score_mod, backend=backend)
@@ -86,6 +90,7 @@ def _flex(backend: str) -> Builder:
 
 
 _CPU_PEER = "the peers are timed on CUDA only (on CPU they are not the kernels one would compare with)"
+_FLEX_NO_DROPOUT = "FlexAttention has no dropout on the probabilities"
 
 REGISTRY: dict[str, HarnessBackend] = {
     "sparseflash": HarnessBackend("sparseflash", _sparseflash("auto"), lambda d: resolve_backend("auto", d)),
@@ -100,9 +105,11 @@ REGISTRY: dict[str, HarnessBackend] = {
                                  dense_causal_only=True),
     "sdpa-cudnn": HarnessBackend("sdpa-cudnn", _sdpa("cudnn"), lambda d: "sdpa:cudnn", cuda_only=_CPU_PEER,
                                  dense_causal_only=True),
-    "flex": HarnessBackend("flex", _flex("TRITON"), lambda d: "flex (torch.compile)", cuda_only=_CPU_PEER),
+    "flex": HarnessBackend("flex", _flex("TRITON"), lambda d: "flex (torch.compile)", cuda_only=_CPU_PEER,
+                           no_dropout=_FLEX_NO_DROPOUT),
     # FlexAttention's FLASH backend: FlashAttention-4 (CuTe DSL), where its package is installed
-    "flex-flash": HarnessBackend("flex-flash", _flex("FLASH"), lambda d: "flex FLASH (FA4)", cuda_only=_CPU_PEER),
+    "flex-flash": HarnessBackend("flex-flash", _flex("FLASH"), lambda d: "flex FLASH (FA4)", cuda_only=_CPU_PEER,
+                                 no_dropout=_FLEX_NO_DROPOUT),
 }
 
 # Errors that mean "this backend cannot run this case" rather than "this backend is broken".

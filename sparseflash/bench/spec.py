@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from sparseflash import masks
+from sparseflash.attention.dropout import check_p
 from sparseflash.attention.score_mods import make_score_mod, registered_score_mods
 from sparseflash.bench.backends import REGISTRY
 
@@ -34,12 +35,14 @@ def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: i
 
 @dataclass(frozen=True)
 class PatternSpec:
-    """A mask of the sweep, its block left to the sweep's ``block``, and optionally a registered score
-    function (``score_mod``: its name and parameters); ``label`` names it in rows and plots."""
+    """A mask of the sweep, its block left to the sweep's ``block``, optionally a registered score
+    function (``score_mod``: its name and parameters) and dropout on the probabilities (``dropout_p``);
+    ``label`` names it in rows and plots."""
 
     mask: masks.MaskSpec
     label: str
     score_mod: tuple[str, tuple] | None = None
+    dropout_p: float = 0.0
 
     @property
     def name(self) -> str:
@@ -82,7 +85,7 @@ def _as_list(value: Any) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-ENTRY_KEYS = ("name", "params", "label", "causal", "score_mod")
+ENTRY_KEYS = ("name", "params", "label", "causal", "score_mod", "dropout")
 
 
 def _score_mod_entry(value: Any) -> tuple[str, tuple] | None:
@@ -100,9 +103,9 @@ def parse_patterns(entries: Any, defaults: Mapping[str, Mapping] | None = None) 
 
     A string entry takes the defaults of ``pattern_params[name]`` (e.g. ``local: {window: 2}``); a
     mapping's ``params`` are merged over them; ``causal`` adds the causal predicate, ``score_mod`` a
-    registered score function (``alibi`` or ``{name: softcap, params: {cap: 30}}``); ``label`` is
-    optional (default ``name`` or ``name(k=v,...)`` when it has parameters, then ``causal`` and the
-    score function)."""
+    registered score function (``alibi`` or ``{name: softcap, params: {cap: 30}}``), ``dropout`` a drop
+    probability; ``label`` is optional (default ``name`` or ``name(k=v,...)`` when it has parameters,
+    then ``causal``, the score function and the dropout)."""
     defaults = _plain(defaults) or {}
     out = []
     for entry in _as_list(entries):
@@ -119,11 +122,13 @@ def parse_patterns(entries: Any, defaults: Mapping[str, Mapping] | None = None) 
         mask = masks.MaskSpec(name, {**dict(defaults.get(name) or {}), **dict(entry.get("params") or {})},
                               causal=bool(entry.get("causal", False)), per_head=True)
         score_mod = _score_mod_entry(entry.get("score_mod"))
+        dropout_p = check_p(entry.get("dropout", 0.0), f"pattern entry {entry!r}: dropout")
         if label is None:
             label = name + ("(" + ",".join(f"{k}={v}" for k, v in mask.params) + ")" if mask.params else "")
             label += " causal" if mask.causal and not masks.get(name).causal else ""
             label += f" +{score_mod[0]}" if score_mod else ""
-        out.append(PatternSpec(mask, str(label), score_mod))
+            label += f" +dropout {dropout_p:g}" if dropout_p else ""
+        out.append(PatternSpec(mask, str(label), score_mod, dropout_p))
     labels = [p.label for p in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"pattern labels must be unique; got {labels} (give entries a label)")
@@ -313,6 +318,7 @@ class BenchConfig:
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["patterns"] = [{"name": p.name, "params": dict(p.params), "label": p.label, "causal": p.mask.causal,
-                            "score_mod": p.score_mod and {"name": p.score_mod[0], "params": dict(p.score_mod[1])}}
+                            "score_mod": p.score_mod and {"name": p.score_mod[0], "params": dict(p.score_mod[1])},
+                            "dropout": p.dropout_p}
                            for p in self.patterns]
         return out

@@ -83,21 +83,25 @@ class _Trusted:
 
 
 def prepare_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: BlockMask,
-                cfg: BenchConfig, ctx: Context, trusted: _Trusted, score_mod=None) -> Optional[measure.Step]:
-    """Build one backend on one case, run its first call and the correctness gate; return the step
-    to time, or None with ``row``'s status and reason saying why it is not timed."""
+                cfg: BenchConfig, ctx: Context, trusted: _Trusted, score_mod=None,
+                dropout_p: float = 0.0) -> Optional[measure.Step]:
+    """Build one backend on one case, run its first call and the correctness gate (not for dropout, whose
+    outputs differ call by call: the tests check it against the reference); return the step to time, or
+    None with ``row``'s status and reason saying why it is not timed."""
     backend = REGISTRY[backend_name]
-    reason = backend.skip_reason(q, mask, ctx, score_mod)
+    reason = backend.skip_reason(q, mask, ctx, score_mod, dropout_p)
     if reason:
         row.update(status="skipped", reason=reason)
         return None
     try:
-        fwd = backend.build(q, k, v, mask, ctx, score_mod)
+        fwd = backend.build(q, k, v, mask, ctx, score_mod, dropout_p)
         with _kernel_configs(row), measure.compile_counts() as counts:
             (o, dgrads), row["first_call_ms"] = measure.wall_ms(lambda: measure.run_once(fwd, mode, q, k, v, do),
                                                                 ctx.device)
         row.update(counts)
-        if cfg.check.enabled:
+        if dropout_p:
+            row["reason"] = "unchecked: dropout draws new outputs each call"
+        elif cfg.check.enabled:
             against, expected = trusted.get(backend_name)
             row["check_against"] = against
             if expected is not None:
@@ -203,6 +207,7 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
                             "batch": batch, "heads": heads, "kv_heads": shape.kv_heads, "block": cfg.block,
                             "pattern": pattern.name, "pattern_label": pattern.label,
                             "params": pattern.params_json, "density": density, "mask_kind": kind,
+                            "dropout_p": pattern.dropout_p,
                             "backend": backend, "impl": REGISTRY[backend].impl(device),
                             "status": "", "reason": "",
                             "flops": attention_flops(batch, heads, seq_len, shape.kv_len, head_dim, density, mode),
@@ -216,7 +221,7 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
                             row.update(status="skipped", reason=input_error)
                         else:
                             step = prepare_one(row, backend, mode, q, k, v, do, mask, cfg, ctx, trusted,
-                                               score_mod)
+                                               score_mod, pattern.dropout_p)
                             if step is not None:
                                 prepared.append((row, step))
                         case_rows.append(row)

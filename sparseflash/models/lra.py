@@ -33,10 +33,12 @@ def sinusoidal_positions(length: int, dim: int) -> torch.Tensor:
 class Block(nn.Module):
     """Pre-LN Transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
-    def __init__(self, dim: int, heads: int, mlp_dim: int, dropout: float, mask, backend: str, score_mod=None):
+    def __init__(self, dim: int, heads: int, mlp_dim: int, dropout: float, mask, backend: str, score_mod=None,
+                 attention_dropout: float = 0.0):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = SparseAttention(dim, heads, mask=mask, backend=backend, dropout=dropout, score_mod=score_mod)
+        self.attn = SparseAttention(dim, heads, mask=mask, backend=backend, dropout=dropout, score_mod=score_mod,
+                                    attn_dropout=attention_dropout)
         self.mlp = nn.Sequential(nn.Linear(dim, mlp_dim), nn.GELU(), nn.Dropout(dropout),
                                  nn.Linear(mlp_dim, dim), nn.Dropout(dropout))
 
@@ -56,12 +58,15 @@ class Encoder(nn.Module):
         pool: ``cls`` or ``mean`` (over valid tokens).
         mask: the attention mask of ``SparseAttention`` (a ``MaskSpec`` or its fields); backend: its backend;
             score_mod: its score function (a registered name or ``{"name", "params"}``; one per block).
+        dropout: dropout after the embedding, in the MLPs and on the attention output projection;
+            attention_dropout: dropout on the attention probabilities (LRA's ``attention_dropout_rate``).
     """
 
     def __init__(self, vocab_size: int, max_len: int, dim: int = 64, depth: int = 2, heads: int = 4,
                  mlp_dim: int = 128, dropout: float = 0.1, embedding: str = "token",
                  positions: str = "learned", pool: str = "cls", mask: Any = None,
-                 backend: str = "auto", pad_multiple: int = 1, score_mod: Any = None):
+                 backend: str = "auto", pad_multiple: int = 1, score_mod: Any = None,
+                 attention_dropout: float = 0.0):
         super().__init__()
         if embedding not in ("token", "pixel"):
             raise ValueError(f"model.embedding must be 'token' or 'pixel'; got {embedding!r}")
@@ -78,7 +83,7 @@ class Encoder(nn.Module):
             self.register_buffer("pos", sinusoidal_positions(self.max_len, dim), persistent=False)
         self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02) if pool == "cls" else None
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(dim, heads, mlp_dim, dropout, mask, backend, score_mod)
+        self.blocks = nn.ModuleList(Block(dim, heads, mlp_dim, dropout, mask, backend, score_mod, attention_dropout)
                                     for _ in range(depth))
         self.ln = nn.LayerNorm(dim)
 
@@ -162,7 +167,8 @@ def build_model(model_cfg: Mapping[str, Any], attention_cfg: Mapping[str, Any], 
                       embedding=str(model_cfg.get("embedding", "token")),
                       positions=str(model_cfg.get("positions", "learned")), pool=str(model_cfg.get("pool", "cls")),
                       mask=spec, backend=str(attention_cfg.get("backend", "auto")), pad_multiple=int(pad_multiple),
-                      score_mod=_plain(attention_cfg.get("score_mod")))
+                      score_mod=_plain(attention_cfg.get("score_mod")),
+                      attention_dropout=float(model_cfg.get("attention_dropout", 0.0)))
     head_dim = int(model_cfg.get("head_mlp_dim") or mlp_dim)
     cls = DualEncoderClassifier if pair else Classifier
     return cls(encoder, dim, head_dim, num_classes)

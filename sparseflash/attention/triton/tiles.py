@@ -15,8 +15,10 @@ Constexpr flags the helpers take (the kernels pass their own through):
   MASK_MOD        a generated element predicate (codegen.py), applied with APPLY_MASK_MOD (partial
                   tiles), or None.
   SCORE_MOD       a generated score function (codegen.py) applied to every computed score, or None.
-  DROPOUT         drop probabilities by ``dropout_kept`` (seed, threshold) and scale the kept ones by
+  DROPOUT         drop probabilities (``dropout_kept``: seed, threshold) and scale the kept ones by
                   drop_scale (sparseflash.attention.dropout states the pattern).
+  ALIGNED_ROWS    a forward tile's rows are BLOCK_M consecutive queries from a multiple of 16 (the
+                  regular forward's; the decode forward packs heads): dropout draws per tile.
 
 Scores are kept in base 2: the kernels scale q k^T by ``scale * log2(e)`` and use exp2/log2. A
 score_mod sees the natural score ``scale * q.k`` and its result is then scaled by log2(e).
@@ -202,12 +204,13 @@ def dropout_kept(seed, drop_row, q_idx, kv_idx, threshold):
     c1 = (((q_idx >> 4) << 3) | (q_idx & 7)).to(tl.uint32)
     w0, w1, w2, w3 = tl.philox(seed, c0, c1, drop_row, 0)
     high_col = ((kv_idx >> 3) & 1) == 1
-    word = tl.where(((q_idx >> 3) & 1) == 1, tl.where(high_col, w3, w2), tl.where(high_col, w1, w0))
-    return (word >> 1).to(tl.int32, bitcast=True) >= threshold
+    return _kept_word(tl.where(((q_idx >> 3) & 1) == 1, tl.where(high_col, w3, w2), tl.where(high_col, w1, w0)),
+                      threshold)
 
 
 @triton.jit
 def _kept_word(word, threshold):
+    """A score with this random word is kept when the word's upper 31 bits are at least threshold."""
     return (word >> 1).to(tl.int32, bitcast=True) >= threshold
 
 
@@ -220,13 +223,13 @@ def dropout_kept_tile(seed, drop_row, row_start, col_start, threshold, ROWS: tl.
     (i + 8, j + 8), and spreads the words by join, reshape and permute: on a tensor-core tile a thread
     holds such quads either way round, so the compiler moves no data (the tile comes out in the dot's
     layout), and the draws are a quarter of ``dropout_kept``'s."""
-    rows = row_start // 2 + tl.arange(0, ROWS // 2)  # x' of the quads' first rows and columns
-    cols = col_start // 2 + tl.arange(0, COLS // 2)
+    rows = (row_start // 2 + tl.arange(0, ROWS // 2)).to(tl.uint32)[:, None]  # x' of the quads' first rows
+    cols = (col_start // 2 + tl.arange(0, COLS // 2)).to(tl.uint32)[None, :]  # and columns
     if ROWS_ARE_QUERIES:
-        w0, w1, w2, w3 = tl.philox(seed, cols[None, :].to(tl.uint32), rows[:, None].to(tl.uint32), drop_row, 0)
+        w0, w1, w2, w3 = tl.philox(seed, cols, rows, drop_row, 0)
         first, second, third, fourth = w0, w1, w2, w3  # by (row half, column half): word 2 * row + column
     else:
-        w0, w1, w2, w3 = tl.philox(seed, rows[:, None].to(tl.uint32), cols[None, :].to(tl.uint32), drop_row, 0)
+        w0, w1, w2, w3 = tl.philox(seed, rows, cols, drop_row, 0)
         first, second, third, fourth = w0, w2, w1, w3  # word 2 * column half + row half
     # [row', column', column half, row half] -> [row blocks of 16, row half, 8, column blocks, column half, 8]
     quads = tl.join(tl.join(_kept_word(first, threshold), _kept_word(second, threshold)),

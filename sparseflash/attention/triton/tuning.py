@@ -72,8 +72,8 @@ class ConfigKey:
     parallelism: int  # log2 of batch x heads x 128-row query tiles: how well a grid fills the GPU
     device: str
     persistent: str = ""  # forward_persistent.mode(): "" never, "auto" tuned against the others, "only"
-    mods: str = ""  # generated helpers in the loop: "", "mask", "score" or "mask+score" (registers, work);
-    # "score-special" for a score function using exp, log, tanh or sqrt (Graph.uses_special_functions)
+    mods: str = ""  # what else the loop does: "mask", "score", "dropout" joined by "+", or "" (registers,
+    # work); "score-special" for a score function using exp, log, tanh or sqrt (Graph.uses_special_functions)
 
     @classmethod
     def of(cls, q: torch.Tensor, mask, padded_dim: int, persistent: str = "", mods: str = "") -> "ConfigKey":

@@ -1,0 +1,244 @@
+"""Dropout on the attention probabilities (``dropout_p``): every backend against the reference with the
+same drawn pattern (o, lse, dq, dk, dv), over mask kinds, mask and score functions, GQA, key lengths,
+empty rows, both low-precision dtypes and fp32, decoding shapes and torch.compile; and what a user
+relies on: the same seed gives the same output and gradients bit for bit, ``dropout_p=0`` is no
+dropout and draws nothing, the mean over seeds approaches the undropped output, and the generator
+itself (PyTorch's Philox equals ``tl.philox``; the kept fraction is 1 - p).
+
+On CPU the Triton kernels run under the interpreter on small shapes; the ``gpu`` tests repeat the
+comparison compiled, at realistic sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparseflash
+from sparseflash import SparseAttention
+from sparseflash.attention.dropout import Dropout, kept, philox
+from tests.attention.test_mods import _inputs, _mask
+from tests.helpers import SeededDropout, attention_with_grads, check_backend, seeded
+
+# torch's own Inductor code calls torch.jit.script_method, which warns
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+BACKENDS = ["triton", "blocked", "reference"]
+CASES = [
+    # kind, q_len, kv_len, dim, dtype, gqa, key_lengths, p
+    ("dense", 77, 77, 16, torch.bfloat16, False, True, 0.1),
+    ("causal", 100, 63, 16, torch.float16, True, False, 0.3),
+    ("butterfly", 130, 130, 8, torch.float32, False, False, 0.5),
+    ("document-lengths", 90, 60, 8, torch.bfloat16, False, True, 0.2),
+    ("empty-rows", 100, 90, 16, torch.bfloat16, False, False, 0.25),
+    ("alibi-causal", 63, 111, 8, torch.float16, True, True, 0.1),
+    ("relative-bias-window", 80, 50, 8, torch.bfloat16, False, False, 0.4),
+    ("decode-dense", 5, 200, 16, torch.bfloat16, True, True, 0.3),
+    ("decode-causal-window", 3, 150, 16, torch.float32, False, False, 0.2),
+]
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case_id(case) -> str:
+    kind, q_len, kv_len, dim, dtype, gqa, key_lengths, p = case
+    return "-".join([kind, f"sq{q_len}", f"skv{kv_len}", f"d{dim}", str(dtype).removeprefix("torch."),
+                     "gqa" if gqa else "mha", "keylen" if key_lengths else "nokeylen", f"p{p}"])
+
+
+def _case_mask(kind, q_len, kv_len, batch, heads, device):
+    """``(mask, score_mod)``: dense and causal by name, butterfly as a BlockMask, decoding shapes (a few
+    queries against many keys: the split-KV forward), else the cases of test_mods."""
+    if kind in ("dense", "decode-dense"):
+        return None, None
+    if kind == "causal":
+        return "causal", None
+    if kind == "butterfly":
+        return sparseflash.masks.make("butterfly", q_len, kv_len, block=32, device=device), None
+    if kind == "decode-causal-window":
+        return sparseflash.masks.make("sliding_window", q_len, kv_len, block=16, window=40, causal=True,
+                                      device=device), None
+    return _mask(kind, q_len, kv_len, batch, heads, device)
+
+
+def _run_case(case, backend, device, compiler=None, batch=2, heads=4):
+    kind, q_len, kv_len, dim, dtype, gqa, key_lengths, p = case
+    q, k, v, do = _inputs(batch, heads, heads // 2 if gqa else heads, q_len, kv_len, dim, dtype, device)
+    mask, score_mod = _case_mask(kind, q_len, kv_len, batch, heads, device)
+    lengths = torch.tensor([kv_len * 2 // 3 + 1, 0], device=device) if key_lengths else None
+    dropout = SeededDropout(p, int(torch.randint(0, 2**31, ())))
+    got = check_backend(backend, q, k, v, mask, do, lengths, score_mod=score_mod, compiler=compiler, dropout=dropout)
+    undropped = attention_with_grads(backend, q, k, v, mask, do, lengths, score_mod=score_mod)
+    seen = torch.isfinite(undropped.lse)
+    assert not torch.allclose(got.o[seen], undropped.o[seen]), "dropout changed nothing"
+    assert torch.equal(got.lse, undropped.lse), "lse is that of the scores, without dropout"
+    if key_lengths:  # batch element 1 sees no key: its rows stay 0 with dropout too
+        assert torch.all(got.o[1] == 0) and torch.all(got.dq[1] == 0)
+    if kind == "empty-rows":
+        assert torch.all(got.o[:, :, 10:50] == 0) and torch.all(got.dq[:, :, 10:50] == 0)
+    return got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_dropout_matches_reference(case, backend):
+    _run_case(case, backend, "cpu")
+
+
+@pytest.mark.parametrize("backend", ["triton", "blocked"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[6]], ids=_case_id)
+def test_compiled_dropout_matches_reference(case, backend):
+    """Under torch.compile(fullgraph=True) the seed is drawn in the graph (aot_eager: as eagerly)."""
+    torch._dynamo.reset()
+    try:
+        _run_case(case, backend, "cpu", compiler="aot_eager")
+    finally:
+        torch._dynamo.reset()
+
+
+def test_inductor_draws_from_its_own_stream_repeatably():
+    """Under Inductor the seed comes from Inductor's random stream: repeated by torch.manual_seed,
+    new at each call."""
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    run = torch.compile(lambda q, k, v: sparseflash.attention(q, k, v, "causal", dropout_p=0.3, backend="blocked"),
+                        backend="inductor", fullgraph=True)
+    try:
+        with seeded(3, "cpu"):
+            first, second = run(q, k, v), run(q, k, v)
+        with seeded(3, "cpu"):
+            again = run(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(first, again) and not torch.equal(first, second)
+    assert not torch.allclose(first, sparseflash.attention(q, k, v, "causal", backend="blocked"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_same_seed_same_result_bit_for_bit(backend):
+    q, k, v, do = _inputs(2, 4, 2, 70, 90, 16, torch.bfloat16, _device())
+    mask = sparseflash.masks.make("butterfly", 70, 90, block=32, device=_device())
+    rng_seed = int(torch.randint(0, 2**31, ()))
+    first, again = (attention_with_grads(backend, q, k, v, mask, do, dropout=SeededDropout(0.3, rng_seed))
+                    for _ in range(2))
+    for name, a, b in zip(first._fields, first, again):
+        assert torch.equal(a, b), f"{name} differs between two calls with the same seed"
+    other = attention_with_grads(backend, q, k, v, mask, do, dropout=SeededDropout(0.3, rng_seed + 1))
+    assert not torch.equal(first.o, other.o), "another seed gave the same output"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_dropout_is_no_dropout_and_draws_nothing(backend):
+    q, k, v, do = _inputs(2, 4, 4, 50, 50, 16, torch.float16, _device())
+    plain = attention_with_grads(backend, q, k, v, "causal", do)
+    state = torch.get_rng_state()
+    zero = attention_with_grads(backend, q, k, v, "causal", do, dropout=SeededDropout(0.0, 0))
+    for name, a, b in zip(plain._fields, plain, zero):
+        assert torch.equal(a, b), f"{name}: dropout_p=0 differs from no dropout"
+    with seeded(5, _device()):
+        before = torch.get_rng_state()
+        sparseflash.attention(q, k, v, dropout_p=0.0, backend=backend)
+        assert torch.equal(before, torch.get_rng_state()), "dropout_p=0 drew from the generator"
+    assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("backend", ["triton", "blocked"])
+def test_mean_over_seeds_approaches_the_undropped_output(backend):
+    """E[Z / (1 - p)] = 1 for each probability, so the mean of n draws is off by ~1/sqrt(n) of one draw."""
+    draws = 96
+    q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
+    undropped = sparseflash.attention(q, k, v, "causal", backend=backend)
+    outputs = torch.stack([sparseflash.attention(q, k, v, "causal", dropout_p=0.5, backend=backend)
+                           for _ in range(draws)])
+    one = (outputs[0] - undropped).norm() / undropped.norm()
+    mean = (outputs.mean(0) - undropped).norm() / undropped.norm()
+    assert one > 0.3, f"one draw is only {one:.2f} off the undropped output"
+    assert mean < 3 * one / draws ** 0.5, f"the mean of {draws} draws is {mean:.3f} off; one draw {one:.3f}"
+
+
+def test_torch_philox_equals_triton_philox():
+    """The PyTorch Philox the reference and blocked backends use against ``tl.philox`` (interpreted on CPU,
+    compiled on a GPU), for seeds using all 64 bits and counters using all 32."""
+    triton = pytest.importorskip("triton")
+    tl = triton.language
+
+    @triton.jit
+    def words(SEED, C0, C1, OUT, c2, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        w0, w1, w2, w3 = tl.philox(tl.load(SEED), tl.load(C0 + offs).to(tl.uint32), tl.load(C1 + offs).to(tl.uint32),
+                                   c2, 0)
+        tl.store(OUT + offs * 4, w0.to(tl.int64))
+        tl.store(OUT + offs * 4 + 1, w1.to(tl.int64))
+        tl.store(OUT + offs * 4 + 2, w2.to(tl.int64))
+        tl.store(OUT + offs * 4 + 3, w3.to(tl.int64))
+
+    device = _device()
+    for seed in (0, 123456789, 2**62 + 2**33 + 5, int(torch.randint(0, 2**62, ()))):
+        c0, c1 = (torch.randint(0, 2**32, (64,), dtype=torch.int64, device=device) for _ in range(2))
+        got = torch.empty(64, 4, dtype=torch.int64, device=device)
+        words[(1,)](torch.tensor(seed, device=device), c0, c1, got, 12345, N=64)
+        want = torch.stack(philox(torch.tensor(seed, device=device), c0, c1, 12345, 0), -1)
+        assert torch.equal(got, want), f"seed {seed}: the words differ"
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_kept_fraction_is_one_minus_p(p):
+    """Over 2^20 scores the kept fraction is within 5 standard deviations of 1 - p, in each quad position
+    (the four scores a counter serves) and in each row and column stream."""
+    dropout = Dropout(p, torch.randint(0, 2**62, ()))
+    q_idx, kv_idx = torch.arange(512)[:, None], torch.arange(512)[None, :]
+    keep = kept(dropout, 4, torch.arange(2)[:, None, None, None], torch.arange(2)[None, :, None, None], q_idx, kv_idx)
+    sigma = (p * (1 - p) / keep.numel()) ** 0.5
+    assert abs(keep.float().mean().item() - (1 - p)) < 5 * sigma
+    quad = keep.view(2, 2, 32, 2, 8, 32, 2, 8).float().mean((0, 1, 2, 4, 5, 7))  # (row half, column half)
+    assert (quad - (1 - p)).abs().max().item() < 5 * sigma * 2, f"quad positions keep {quad.tolist()}"
+    # neighbouring scores are independent: P(both kept) = (1 - p)^2
+    both = (keep[..., :, 1:] & keep[..., :, :-1]).float().mean().item()
+    assert abs(both - (1 - p) ** 2) < 5 * (1 - p) * sigma * 2
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, True, "0.1", float("nan")])
+def test_bad_dropout_p_is_refused(bad):
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\)"):
+        sparseflash.attention(q, q, q, dropout_p=bad)
+
+
+def test_module_drops_in_training_only():
+    torch.manual_seed(0)
+    module = SparseAttention(32, 4, mask="causal", backend="blocked", attn_dropout=0.3)
+    x = torch.randn(2, 40, 32)
+    module.train()
+    a, b = module(x), module(x)
+    assert not torch.equal(a, b), "training: two calls drew the same dropout"
+    with seeded(7, "cpu"):
+        c = module(x)
+    with seeded(7, "cpu"):
+        d = module(x)
+    assert torch.equal(c, d)
+    module.eval()
+    plain = SparseAttention(32, 4, mask="causal", backend="blocked")
+    plain.load_state_dict(module.state_dict())
+    plain.eval()
+    assert torch.equal(module(x), plain(x)), "eval: attention dropout must be off"
+
+
+def test_module_rejects_bad_attn_dropout():
+    with pytest.raises(ValueError, match="attn_dropout"):
+        SparseAttention(32, 4, attn_dropout=1.0)
+
+
+GPU_CASES = [
+    ("dense", 1024, 1024, 64, torch.bfloat16, False, True, 0.1),
+    ("causal", 1000, 1000, 128, torch.float16, True, False, 0.1),
+    ("butterfly", 2048, 2048, 128, torch.bfloat16, False, False, 0.2),
+    ("alibi-causal", 777, 777, 64, torch.bfloat16, True, True, 0.1),
+    ("decode-dense", 4, 4096, 128, torch.bfloat16, True, True, 0.1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_gpu_dropout_matches_reference(case):
+    _run_case(case, "triton", "cuda", heads=8)
