@@ -16,7 +16,7 @@ import torch
 
 import sparseflash
 from sparseflash import SparseAttention
-from sparseflash.attention.dropout import Dropout, kept, philox
+from sparseflash.attention.dropout import ROUNDS, Dropout, kept, philox
 from tests.attention.test_mods import _inputs, _mask
 from tests.helpers import SeededDropout, attention_with_grads, check_backend, seeded
 
@@ -164,10 +164,10 @@ def test_torch_philox_equals_triton_philox():
     tl = triton.language
 
     @triton.jit
-    def words(SEED, C0, C1, OUT, c2, N: tl.constexpr):
+    def words(SEED, C0, C1, OUT, c2, N: tl.constexpr, ROUNDS: tl.constexpr):
         offs = tl.arange(0, N)
         w0, w1, w2, w3 = tl.philox(tl.load(SEED), tl.load(C0 + offs).to(tl.uint32), tl.load(C1 + offs).to(tl.uint32),
-                                   c2, 0)
+                                   c2, 0, ROUNDS)
         tl.store(OUT + offs * 4, w0.to(tl.int64))
         tl.store(OUT + offs * 4 + 1, w1.to(tl.int64))
         tl.store(OUT + offs * 4 + 2, w2.to(tl.int64))
@@ -177,7 +177,7 @@ def test_torch_philox_equals_triton_philox():
     for seed in (0, 123456789, 2**62 + 2**33 + 5, int(torch.randint(0, 2**62, ()))):
         c0, c1 = (torch.randint(0, 2**32, (64,), dtype=torch.int64, device=device) for _ in range(2))
         got = torch.empty(64, 4, dtype=torch.int64, device=device)
-        words[(1,)](torch.tensor(seed, device=device), c0, c1, got, 12345, N=64)
+        words[(1,)](torch.tensor(seed, device=device), c0, c1, got, 12345, N=64, ROUNDS=ROUNDS)
         want = torch.stack(philox(torch.tensor(seed, device=device), c0, c1, 12345, 0), -1)
         assert torch.equal(got, want), f"seed {seed}: the words differ"
 

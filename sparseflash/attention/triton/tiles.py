@@ -27,6 +27,8 @@ score_mod sees the natural score ``scale * q.k`` and its result is then scaled b
 import triton
 import triton.language as tl
 
+from sparseflash.attention import dropout
+
 # Arguments that change with the sequence length and are not specialised on (``do_not_specialize``),
 # so that a new length reuses the compiled kernel: the lengths and the strides of the row tables
 # (block counts). The tensor strides stay specialised: their divisibility decides the width of
@@ -78,6 +80,7 @@ def tile_start(t, block, FROM_TABLE: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE
 
 
 TABLE_CHUNK = tl.constexpr(64)
+PHILOX_ROUNDS = tl.constexpr(dropout.ROUNDS)
 
 
 @triton.jit
@@ -196,13 +199,13 @@ def load_seed(SEED, DROPOUT: tl.constexpr):
 def dropout_kept(seed, drop_row, q_idx, kv_idx, threshold):
     """Whether dropout keeps the scores at query positions q_idx and key positions kv_idx (tiles that
     broadcast together, either way round) of row stream drop_row (b * H + h: a scalar, or a tile for
-    rows of several heads): Philox-4x32-10 keyed by seed (int64) at the counter
+    rows of several heads): Philox-4x32 (PHILOX_ROUNDS rounds) keyed by seed (int64) at the counter
     (kv_idx', q_idx', drop_row, 0), where x' = (x // 16) * 8 + x % 8, takes word
     2 * (q_idx // 8 % 2) + kv_idx // 8 % 2 of the four; kept when that word's upper 31 bits are at
     least threshold (sparseflash.attention.dropout computes the same in PyTorch)."""
     c0 = (((kv_idx >> 4) << 3) | (kv_idx & 7)).to(tl.uint32)
     c1 = (((q_idx >> 4) << 3) | (q_idx & 7)).to(tl.uint32)
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, drop_row, 0)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, drop_row, 0, PHILOX_ROUNDS)
     high_col = ((kv_idx >> 3) & 1) == 1
     return _kept_word(tl.where(((q_idx >> 3) & 1) == 1, tl.where(high_col, w3, w2), tl.where(high_col, w1, w0)),
                       threshold)
@@ -226,10 +229,10 @@ def dropout_kept_tile(seed, drop_row, row_start, col_start, threshold, ROWS: tl.
     rows = (row_start // 2 + tl.arange(0, ROWS // 2)).to(tl.uint32)[:, None]  # x' of the quads' first rows
     cols = (col_start // 2 + tl.arange(0, COLS // 2)).to(tl.uint32)[None, :]  # and columns
     if ROWS_ARE_QUERIES:
-        w0, w1, w2, w3 = tl.philox(seed, cols, rows, drop_row, 0)
+        w0, w1, w2, w3 = tl.philox(seed, cols, rows, drop_row, 0, PHILOX_ROUNDS)
         first, second, third, fourth = w0, w1, w2, w3  # by (row half, column half): word 2 * row + column
     else:
-        w0, w1, w2, w3 = tl.philox(seed, rows, cols, drop_row, 0)
+        w0, w1, w2, w3 = tl.philox(seed, rows, cols, drop_row, 0, PHILOX_ROUNDS)
         first, second, third, fourth = w0, w2, w1, w3  # word 2 * column half + row half
     # [row', column', column half, row half] -> [row blocks of 16, row half, 8, column blocks, column half, 8]
     quads = tl.join(tl.join(_kept_word(first, threshold), _kept_word(second, threshold)),
