@@ -106,7 +106,7 @@ def test_metrics_jsonl_config_and_best_checkpoint(tmp_path):
 
 def test_resume_is_exact(tmp_path):
     common = ["trainer.max_steps=8", "trainer.eval_every=3", "trainer.checkpoint_every=5", "model.dropout=0.2",
-              "trainer.schedule=linear", "trainer.warmup_steps=3"]
+              "model.attention_dropout=0.2", "trainer.schedule=linear", "trainer.warmup_steps=3"]
     straight = run(make_cfg(tmp_path, *common), run_dir=tmp_path / "a")
     stopped = run(make_cfg(tmp_path, *common, "trainer.stop_after=4"), run_dir=tmp_path / "b")
     assert stopped["stopped_at"] == 4
