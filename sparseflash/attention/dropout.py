@@ -2,21 +2,23 @@
 
 A call with ``dropout_p > 0`` draws one 64-bit seed from torch's generator of the inputs' device
 (``torch.manual_seed`` makes it repeatable; every call draws a new one). Score ``(b, h, i, j)``
-(batch, query head, query, key) is dropped when a random 31-bit integer is below
-``round(p * 2**31)``, and a kept probability is scaled by ``1 / (1 - p)``:
-``o = (P * Z / (1 - p)) @ V`` with ``P`` the normalised probabilities and ``Z`` the keep mask. The
+(batch, query head, query, key) is dropped when a random 16-bit integer is below
+``t = round(p * 2**16)``, and a kept probability is scaled by ``1 / (1 - t / 2**16)``: the drop
+probability is p rounded to a multiple of 2^-16, and the expected output is the undropped one.
+``o = (P * Z * scale) @ V`` with ``P`` the normalised probabilities and ``Z`` the keep mask; the
 log-sum-exp is that of the scores, without dropout.
 
-The random integer is Philox-4x32 with 7 rounds (``tl.philox(..., n_rounds=7)``, the generator of
-``tl.rand``, with the rounds of FlashAttention-2's dropout: Random123 found Philox-4x32 passes
-TestU01's BigCrush from 7 rounds and gives 10 as a safety margin; the rounds are most of a kernel's
-dropout work) keyed by the seed, at the counter ``(j', i', b * H + h, 0)`` with ``i' = (i // 16) * 8 + i % 8`` and ``j'``
-alike; of the four words it returns, score ``(i, j)`` takes word ``2 * (i // 8 % 2) + j // 8 % 2``,
-shifted right by one. So one counter serves the four scores ``(i, j), (i, j + 8), (i + 8, j),
-(i + 8, j + 8)``: a 16 x 16 tile is four counters' worth of a 8 x 8 grid, and a kernel may draw
-a tile's counters once and spread their words (a thread of a tensor-core tile holds such quads in
-either orientation). Nothing is stored: the backward draws the same numbers again. ``philox``
-below is the same function in PyTorch (int64 arithmetic on 32-bit values), which the
+The random integers come from Philox-4x32 with 7 rounds (``tl.philox(..., n_rounds=7)``, the
+generator of ``tl.rand``, with the rounds of FlashAttention-2's dropout: Random123 found Philox-4x32
+passes TestU01's BigCrush from 7 rounds and gives 10 as a safety margin; the draws are most of a
+kernel's dropout work), keyed by the seed, at the counter
+``(j // 16 * 4 + j % 8 // 2, i // 16 * 8 + i % 8, b * H + h, 0)``. Of its four 32-bit words score
+``(i, j)`` takes word ``2 * (i // 8 % 2) + j // 8 % 2`` and of that word the 16-bit half ``j % 2``
+(low, high). So one counter serves eight scores, queries ``i, i + 8`` and keys ``j, j + 1, j + 8,
+j + 9``: on a tensor-core tile with the queries along the rows one thread holds all eight, and with
+the keys along the rows (the dK/dV loop) two threads hold four each and both draw it. No tile size
+enters the pattern, so the backward draws the same numbers as the forward; nothing is stored.
+``philox`` below is the same function in PyTorch (int64 arithmetic on 32-bit values), which the
 ``reference`` and ``blocked`` backends use, so that every backend drops the same scores.
 """
 
@@ -42,13 +44,13 @@ class Dropout:
 
     @property
     def threshold(self) -> int:
-        """A score is dropped when its 31-bit random integer is below this."""
-        return min(round(self.p * 2**31), 2**31 - 1)
+        """A score is dropped when its 16-bit random integer is below this."""
+        return min(round(self.p * 2**16), 2**16 - 1)
 
     @property
     def scale(self) -> float:
-        """What a kept probability is multiplied by."""
-        return 1.0 / (1.0 - self.p)
+        """What a kept probability is multiplied by: 1 / the chance of being kept."""
+        return 1.0 / (1.0 - self.threshold / 2**16)
 
 
 def check_p(p, name: str = "dropout_p") -> float:
@@ -90,16 +92,13 @@ def philox(seed: torch.Tensor, c0, c1, c2, c3) -> tuple[torch.Tensor, ...]:
     return c0, c1, c2, c3
 
 
-def _spread(index: torch.Tensor) -> torch.Tensor:
-    """``(index // 16) * 8 + index % 8``: the counter coordinate of a query or key index."""
-    return ((index >> 4) << 3) | (index & 7)
-
-
 def kept(dropout: Dropout, heads: int, b, h, q_idx, kv_idx) -> torch.Tensor:
     """Bool tensor, True where score ``(b, h, q_idx, kv_idx)`` is kept: the int64 index tensors broadcast
     together (``heads``: the query heads H)."""
-    words = philox(dropout.seed, _spread(kv_idx), _spread(q_idx), b * heads + h, 0)
+    key_group = ((kv_idx >> 4) << 2) | ((kv_idx & 7) >> 1)
+    query_row = ((q_idx >> 4) << 3) | (q_idx & 7)
+    words = philox(dropout.seed, key_group, query_row, b * heads + h, 0)
     high_row, high_col = (q_idx >> 3) & 1, (kv_idx >> 3) & 1
     word = torch.where(high_row == 1, torch.where(high_col == 1, words[3], words[2]),
                        torch.where(high_col == 1, words[1], words[0]))
-    return (word >> 1) >= dropout.threshold
+    return ((word >> ((kv_idx & 1) * 16)) & 0xFFFF) >= dropout.threshold

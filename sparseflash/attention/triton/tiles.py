@@ -196,25 +196,63 @@ def load_seed(SEED, DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def dropout_kept(seed, drop_row, q_idx, kv_idx, threshold):
-    """Whether dropout keeps the scores at query positions q_idx and key positions kv_idx (tiles that
-    broadcast together, either way round) of row stream drop_row (b * H + h: a scalar, or a tile for
-    rows of several heads): Philox-4x32 (PHILOX_ROUNDS rounds) keyed by seed (int64) at the counter
-    (kv_idx', q_idx', drop_row, 0), where x' = (x // 16) * 8 + x % 8, takes word
-    2 * (q_idx // 8 % 2) + kv_idx // 8 % 2 of the four; kept when that word's upper 31 bits are at
-    least threshold (sparseflash.attention.dropout computes the same in PyTorch)."""
-    c0 = (((kv_idx >> 4) << 3) | (kv_idx & 7)).to(tl.uint32)
-    c1 = (((q_idx >> 4) << 3) | (q_idx & 7)).to(tl.uint32)
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, drop_row, 0, PHILOX_ROUNDS)
-    high_col = ((kv_idx >> 3) & 1) == 1
-    return _kept_word(tl.where(((q_idx >> 3) & 1) == 1, tl.where(high_col, w3, w2), tl.where(high_col, w1, w0)),
-                      threshold)
+def _kept_half(word, shift, threshold):
+    """A score with the 16-bit half ``(word >> shift) & 0xFFFF`` of a random word (shift 0 or 16) is kept
+    when the half is at least threshold."""
+    return ((word >> shift) & 0xFFFF).to(tl.int32) >= threshold
 
 
 @triton.jit
-def _kept_word(word, threshold):
-    """A score with this random word is kept when the word's upper 31 bits are at least threshold."""
-    return (word >> 1).to(tl.int32, bitcast=True) >= threshold
+def dropout_kept(seed, drop_row, q_idx, kv_idx, threshold):
+    """Whether dropout keeps the scores at query positions q_idx and key positions kv_idx (tiles that
+    broadcast together, either way round) of row stream drop_row (b * H + h: a scalar, or a tile for
+    rows of several heads), score by score: Philox-4x32 (PHILOX_ROUNDS rounds) keyed by seed (int64)
+    at the counter (kv_idx // 16 * 4 + kv_idx % 8 // 2, q_idx // 16 * 8 + q_idx % 8, drop_row, 0); of
+    its four words the score takes word 2 * (q_idx // 8 % 2) + kv_idx // 8 % 2, of that word the half
+    kv_idx % 2, and is kept when the half is at least threshold (sparseflash.attention.dropout states
+    it, and computes the same in PyTorch)."""
+    c0 = (((kv_idx >> 4) << 2) | ((kv_idx & 7) >> 1)).to(tl.uint32)
+    c1 = (((q_idx >> 4) << 3) | (q_idx & 7)).to(tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, drop_row, 0, PHILOX_ROUNDS)
+    high_col = ((kv_idx >> 3) & 1) == 1
+    word = tl.where(((q_idx >> 3) & 1) == 1, tl.where(high_col, w3, w2), tl.where(high_col, w1, w0))
+    return _kept_half(word, ((kv_idx & 1) * 16).to(tl.uint32), threshold)
+
+
+@triton.jit
+def _kept_query_rows(seed, drop_row, row_start, col_start, threshold, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``dropout_kept_tile`` with the queries along the rows: a (ROWS/2, COLS/4) grid of counters, each
+    for its eight scores (i, j), (i, j + 1), (i, j + 8), (i, j + 9) and the same at i + 8, all held by
+    one thread of a tensor-core tile."""
+    rows = (row_start // 2 + tl.arange(0, ROWS // 2)).to(tl.uint32)[:, None]  # q' of the rows i
+    cols = (col_start // 4 + tl.arange(0, COLS // 4)).to(tl.uint32)[None, :]  # the key groups
+    w0, w1, w2, w3 = tl.philox(seed, cols, rows, drop_row, 0, PHILOX_ROUNDS)  # word 2 * (i // 8 % 2) + j // 8 % 2
+    # [q', group, j % 2, j // 8 % 2, i // 8 % 2] -> [i // 16, i // 8 % 2, i % 8, j // 16, j // 8 % 2, j % 8 // 2, j % 2]
+    octets = tl.join(tl.join(tl.join(_kept_half(w0, 0, threshold), _kept_half(w0, 16, threshold)),
+                             tl.join(_kept_half(w1, 0, threshold), _kept_half(w1, 16, threshold))),
+                     tl.join(tl.join(_kept_half(w2, 0, threshold), _kept_half(w2, 16, threshold)),
+                             tl.join(_kept_half(w3, 0, threshold), _kept_half(w3, 16, threshold))))
+    octets = tl.reshape(octets, [ROWS // 16, 8, COLS // 16, 4, 2, 2, 2])
+    return tl.reshape(tl.permute(octets, 0, 6, 1, 2, 5, 3, 4), [ROWS, COLS])
+
+
+@triton.jit
+def _kept_key_rows(seed, drop_row, row_start, col_start, threshold, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``dropout_kept_tile`` with the keys along the rows: keys j and j + 1 sit with different threads of
+    a tensor-core tile, so each of them draws the counter of its key group (a (ROWS/2, COLS/2) grid, two
+    rows per counter) and takes its half of the words, for the four scores (i, j), (i + 8, j),
+    (i, j + 8), (i + 8, j + 8)."""
+    r = tl.arange(0, ROWS // 2)  # the rows j of the quads: row_start + r // 8 * 16 + r % 8
+    groups = (row_start // 4 + (r >> 3) * 4 + ((r & 7) >> 1)).to(tl.uint32)[:, None]
+    cols = (col_start // 2 + tl.arange(0, COLS // 2)).to(tl.uint32)[None, :]  # q' of the columns i
+    w0, w1, w2, w3 = tl.philox(seed, groups, cols, drop_row, 0, PHILOX_ROUNDS)
+    shift = ((r & 1) * 16).to(tl.uint32)[:, None]  # the half of key j: j % 2
+    # by (row half, column half) = (j // 8 % 2, i // 8 % 2): word 2 * column half + row half
+    quads = tl.join(tl.join(_kept_half(w0, shift, threshold), _kept_half(w2, shift, threshold)),
+                    tl.join(_kept_half(w1, shift, threshold), _kept_half(w3, shift, threshold)))
+    # [row', column', column half, row half] -> [row blocks of 16, row half, 8, column blocks, column half, 8]
+    quads = tl.reshape(quads, [ROWS // 16, 8, COLS // 16, 8, 2, 2])
+    return tl.reshape(tl.permute(quads, 0, 5, 1, 2, 4, 3), [ROWS, COLS])
 
 
 @triton.jit
@@ -222,23 +260,14 @@ def dropout_kept_tile(seed, drop_row, row_start, col_start, threshold, ROWS: tl.
                       ROWS_ARE_QUERIES: tl.constexpr):
     """``dropout_kept`` of the (ROWS, COLS) tile of positions row_start + [0, ROWS) and col_start + [0, COLS)
     (each start a multiple of 16, each size one too), queries along the rows (ROWS_ARE_QUERIES) or
-    along the columns. It draws each counter once, for its four scores (i, j), (i, j + 8), (i + 8, j),
-    (i + 8, j + 8), and spreads the words by join, reshape and permute: on a tensor-core tile a thread
-    holds such quads either way round, so the compiler moves no data (the tile comes out in the dot's
-    layout), and the draws are a quarter of ``dropout_kept``'s."""
-    rows = (row_start // 2 + tl.arange(0, ROWS // 2)).to(tl.uint32)[:, None]  # x' of the quads' first rows
-    cols = (col_start // 2 + tl.arange(0, COLS // 2)).to(tl.uint32)[None, :]  # and columns
+    along the columns. It draws each counter once per thread that holds its scores and spreads the
+    words by join, reshape and permute, in the order a thread of a tensor-core tile holds the scores
+    (rows r and r + 8, columns c, c + 1, c + 8 and c + 9), so that the tile comes out in the dot's
+    layout without moving data: 8 scores a draw with the queries along the rows, 4 with the keys."""
     if ROWS_ARE_QUERIES:
-        w0, w1, w2, w3 = tl.philox(seed, cols, rows, drop_row, 0, PHILOX_ROUNDS)
-        first, second, third, fourth = w0, w1, w2, w3  # by (row half, column half): word 2 * row + column
+        return _kept_query_rows(seed, drop_row, row_start, col_start, threshold, ROWS, COLS)
     else:
-        w0, w1, w2, w3 = tl.philox(seed, rows, cols, drop_row, 0, PHILOX_ROUNDS)
-        first, second, third, fourth = w0, w2, w1, w3  # word 2 * column half + row half
-    # [row', column', column half, row half] -> [row blocks of 16, row half, 8, column blocks, column half, 8]
-    quads = tl.join(tl.join(_kept_word(first, threshold), _kept_word(second, threshold)),
-                    tl.join(_kept_word(third, threshold), _kept_word(fourth, threshold)))
-    quads = tl.reshape(quads, [ROWS // 16, 8, COLS // 16, 8, 2, 2])
-    return tl.reshape(tl.permute(quads, 0, 5, 1, 2, 4, 3), [ROWS, COLS])
+        return _kept_key_rows(seed, drop_row, row_start, col_start, threshold, ROWS, COLS)
 
 
 @triton.jit
