@@ -198,8 +198,9 @@ def load_seed(SEED, DROPOUT: tl.constexpr):
 @triton.jit
 def _kept_half(word, shift, threshold):
     """A score with the 16-bit half ``(word >> shift) & 0xFFFF`` of a random word (shift 0 or 16) is kept
-    when the half is at least threshold."""
-    return ((word >> shift) & 0xFFFF).to(tl.int32) >= threshold
+    when the half is at least threshold; compared as the half moved to the top (unsigned): the high
+    half needs no instruction to extract it."""
+    return (word << (16 - shift)) >= (threshold.to(tl.uint32) << 16)
 
 
 @triton.jit
