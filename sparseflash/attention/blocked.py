@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from sparseflash.attention.dropout import Dropout, kept
+from sparseflash.attention.dropout import Dropout, kept_blocks
 from sparseflash.masks import BlockMask, layout_to_tables
 from sparseflash.masks.functions import Graph, trace
 
@@ -101,12 +101,17 @@ def _finite(m: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(torch.isinf(m) & (m < 0), torch.full_like(m, fill), m)
 
 
-def _kept(dropout: Dropout | None, heads: int, idx) -> torch.Tensor | float:
-    """The chunk's dropout keep mask times the kept probabilities' scale (1.0 without dropout). ``idx``
-    (``_indices``) clamps positions into the sequences: that changes only scores that are dropped anyway."""
+def _kept(dropout: Dropout | None, mask: BlockMask, tiles: _Tiles, part: slice, batch: int, first_batch: int,
+          heads: int) -> torch.Tensor | float:
+    """The chunk's dropout keep mask ``[B, c, bm, bn]`` times the kept probabilities' scale (1.0 without
+    dropout)."""
     if dropout is None:
         return 1.0
-    return kept(dropout, heads, *idx) * dropout.scale
+    block_m, block_n = mask.block_size
+    b = first_batch + torch.arange(batch, device=tiles.head.device)[:, None]
+    keep = kept_blocks(dropout, heads, b, tiles.head[part][None], tiles.q_block[part][None] * block_m,
+                       tiles.kv_block[part][None] * block_n, block_m, block_n)
+    return keep * dropout.scale
 
 
 def _forward(q, k, v, mask: BlockMask, key_lengths, scale, score_graph: Graph | None, dropout: Dropout | None,
@@ -135,7 +140,7 @@ def _forward(q, k, v, mask: BlockMask, key_lengths, scale, score_graph: Graph | 
         weight = torch.exp(m_tile - m_ref[:, row])  # rescales each tile to its row's new max
         v_t = v_blk[:, tiles.kv_head[part], tiles.kv_block[part]]  # (B, c, bn, D)
         l = (l * rescale).index_add(1, row, p.sum(-1) * weight)
-        kept_p = p * _kept(dropout, heads, idx)  # the output takes the kept probabilities, l all of them
+        kept_p = p * _kept(dropout, mask, tiles, part, batch, first_batch, heads)  # l takes all of p
         acc = (acc * rescale[..., None]).index_add(1, row, (kept_p @ v_t) * weight[..., None])
         m = m_new
     visible = l > 0
@@ -191,7 +196,7 @@ def _backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale, sc
         v_t = v_blk[:, tiles.kv_head[part], tiles.kv_block[part]]
         q_t = q_blk[:, tiles.head[part], tiles.q_block[part]]
         do_t = do_blk[:, tiles.head[part], tiles.q_block[part]]
-        kept_scaled = _kept(dropout, heads, idx)
+        kept_scaled = _kept(dropout, mask, tiles, part, batch, first_batch, heads)
         # (B, c, bm, bn), d loss / d s: delta = rowsum(o * do) holds the dropout already
         ds = p * (do_t @ v_t.transpose(-1, -2) * kept_scaled - delta[:, row, :, None])
         if score_graph is not None:  # d loss / d raw score, and the captured tensors' share

@@ -77,9 +77,9 @@ def _mul_parts(constant: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def philox(seed: torch.Tensor, c0, c1, c2, c3) -> tuple[torch.Tensor, ...]:
-    """Philox-4x32 (``ROUNDS`` rounds) of the counters ``c0..c3`` (int64 tensors or ints holding 32-bit values, broadcast
-    together) under the 64-bit key ``seed`` (an int64 tensor of shape ()): four int64 tensors of 32-bit
-    words, as ``tl.philox(seed, c0, c1, c2, c3, ROUNDS)`` returns them."""
+    """Philox-4x32 (``ROUNDS`` rounds) of the counters ``c0..c3`` (int64 tensors or ints holding 32-bit
+    values, broadcast together) under the 64-bit key ``seed`` (an int64 tensor of shape ()): four int64
+    tensors of 32-bit words, as ``tl.philox(seed, c0, c1, c2, c3, ROUNDS)`` returns them."""
     seed = seed.to(torch.int64)
     k0, k1 = seed & WORD, (seed >> 32) & WORD
     c0, c1, c2, c3 = torch.broadcast_tensors(*(torch.as_tensor(c, dtype=torch.int64, device=seed.device)
@@ -90,6 +90,21 @@ def philox(seed: torch.Tensor, c0, c1, c2, c3) -> tuple[torch.Tensor, ...]:
         c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
         k0, k1 = (k0 + KEY_A) & WORD, (k1 + KEY_B) & WORD
     return c0, c1, c2, c3
+
+
+def kept_blocks(dropout: Dropout, heads: int, b, h, q_start, kv_start, block_m: int, block_n: int) -> torch.Tensor:
+    """``kept`` of whole tiles: bool ``L + (block_m, block_n)`` for the queries ``q_start + [0, block_m)``
+    and keys ``kv_start + [0, block_n)``, where ``b, h, q_start, kv_start`` are int64 tensors that
+    broadcast to the leading shape ``L`` (one tile each), the starts and sizes multiples of 16. It draws
+    each counter once for its eight scores, an eighth of ``kept``'s draws (the blocked backend's tiles)."""
+    device = dropout.seed.device
+    q_rows = (q_start // 2)[..., None, None] + torch.arange(block_m // 2, device=device)[:, None]
+    key_groups = (kv_start // 4)[..., None, None] + torch.arange(block_n // 4, device=device)
+    words = torch.stack(philox(dropout.seed, key_groups, q_rows, (b * heads + h)[..., None, None], 0), -1)
+    i, j = torch.arange(block_m, device=device)[:, None], torch.arange(block_n, device=device)
+    q_row, key_group = ((i >> 4) << 3) | (i & 7), ((j >> 4) << 2) | ((j & 7) >> 1)
+    word = words[..., q_row, key_group, 2 * ((i >> 3) & 1) + ((j >> 3) & 1)]
+    return ((word >> ((j & 1) * 16)) & 0xFFFF) >= dropout.threshold
 
 
 def kept(dropout: Dropout, heads: int, b, h, q_idx, kv_idx) -> torch.Tensor:

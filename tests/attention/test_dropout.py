@@ -16,7 +16,7 @@ import torch
 
 import sparseflash
 from sparseflash import SparseAttention
-from sparseflash.attention.dropout import ROUNDS, Dropout, kept, philox
+from sparseflash.attention.dropout import ROUNDS, Dropout, kept, kept_blocks, philox
 from tests.attention.test_mods import _inputs, _mask
 from tests.helpers import SeededDropout, attention_with_grads, check_backend, seeded
 
@@ -180,6 +180,21 @@ def test_torch_philox_equals_triton_philox():
         words[(1,)](torch.tensor(seed, device=device), c0, c1, got, 12345, N=64, ROUNDS=ROUNDS)
         want = torch.stack(philox(torch.tensor(seed, device=device), c0, c1, 12345, 0), -1)
         assert torch.equal(got, want), f"seed {seed}: the words differ"
+
+
+def test_whole_tiles_drop_what_single_scores_drop():
+    """``kept_blocks`` (the blocked backend's: a draw per counter) against ``kept`` (a draw per score) on
+    tiles at random 16-aligned starts, of several heads and batch elements."""
+    dropout = Dropout(0.3, torch.randint(0, 2**62, ()))
+    b, h = torch.tensor([[0], [3]]), torch.tensor([[1, 0, 5]])  # (2, 1) and (1, 3): six tiles
+    q_start, kv_start = (torch.randint(0, 200, (2, 3)) * 16 for _ in range(2))
+    tiles = kept_blocks(dropout, 8, b, h, q_start, kv_start, 32, 64)
+    assert tiles.shape == (2, 3, 32, 64)
+    for x in range(2):
+        for y in range(3):
+            q_idx = q_start[x, y] + torch.arange(32)[:, None]
+            kv_idx = kv_start[x, y] + torch.arange(64)[None, :]
+            assert torch.equal(tiles[x, y], kept(dropout, 8, b[x, 0], h[0, y], q_idx, kv_idx))
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 1e-3])
