@@ -12,8 +12,8 @@ A mask's mask_mod and the score function's traced graph (``Graph.evaluate``) run
 broadcast index tensors (positions clamped into the sequences, as the kernels do); the backward
 differentiates the score function with ``torch.func.vjp``, chunk by chunk, which also gives the
 gradients of the tensors it captures. A mask with a batch dimension is run one batch element at a time.
-With dropout, each chunk's keep mask (``sparseflash.attention.dropout.kept``, at the same positions) is
-drawn in the forward and drawn again in the backward.
+With dropout, each chunk's keep mask (``sparseflash.attention.dropout.kept_blocks``: the kernels' pattern,
+a draw per eight scores) is drawn in the forward and drawn again in the backward.
 """
 
 from __future__ import annotations
