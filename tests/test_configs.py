@@ -82,7 +82,8 @@ LRA_ATTENTION_DROPOUT = {"lra/listops": 0.1, "lra/text": 0.1, "lra/retrieval": 0
 
 @pytest.mark.parametrize("experiment", sorted(LRA_ATTENTION_DROPOUT))
 def test_lra_presets_drop_attention_probabilities_as_lra_does(experiment):
-    """``model.attention_dropout`` reaches every block's SparseAttention, which drops in training only."""
+    """``model.attention_dropout`` reaches every block's SparseAttention (which drops in training only:
+    tests/attention/test_dropout.py)."""
     cfg = compose_train([f"experiment={experiment}", "attention.backend=blocked", "model.depth=1", "model.dim=32",
                          "model.mlp_dim=32", "model.heads=2", "attention.block=16"])
     assert cfg.model.attention_dropout == LRA_ATTENTION_DROPOUT[experiment]
