@@ -375,6 +375,13 @@ def test_dropout_cases_are_timed_unchecked_and_flex_skips_them(tmp_path):
     assert ours["status"] == "ok" and ours["median_ms"] > 0 and ours["reason"].startswith("unchecked: dropout")
     plain = next(r for r in rows if r["pattern_label"] == "causal" and r["backend"] == "sparseflash-blocked")
     assert plain["status"] == "ok" and plain["check_against"] and plain["dropout_p"] == 0.0
+    assert ours["dropout_cost"] == pytest.approx(ours["median_ms"] / plain["median_ms"])
+    assert math.isnan(plain["dropout_cost"])
+    csv_row = next(r for r in read_rows(tmp_path / "results.csv") if r["pattern_label"] == "causal +dropout 0.1"
+                   and r["backend"] == "sparseflash-blocked")
+    assert csv_row["dropout_cost"] == pytest.approx(ours["dropout_cost"])
+    table = (tmp_path / "results.md").read_text()
+    assert f"| fwdbwd | 16 | 64 | causal +dropout 0.1 | {ours['dropout_cost']:.3g}× | — |" in table
     with pytest.raises(ValueError, match="dropout must be a number"):
         parse_patterns([{"name": "causal", "dropout": 1.0}])
 

@@ -83,7 +83,7 @@ def _number(text: str):
 
 NUMERIC = {"head_dim", "seq_len", "kv_len", "batch", "heads", "kv_heads", "block", "density", "flops", "median_ms",
            "p20_ms", "p80_ms", "repeats", "first_call_ms", "compiled_kernels", "cached_kernels", "dynamo_graphs",
-           "tflops", "speedup_vs_dense", "check_err", "peak_mem_mb"}
+           "tflops", "speedup_vs_dense", "dropout_p", "dropout_cost", "check_err", "peak_mem_mb"}
 
 
 def _with_shape(row: dict) -> dict:
@@ -135,6 +135,21 @@ def _first_calls(rows: list[dict], backends: list[str]) -> list[str]:
     return lines
 
 
+def _dropout_costs(rows: list[dict], backends: list[str]) -> list[str]:
+    """Per case with dropout: each backend's time with it / its time without it (``dropout_cost``)."""
+    costly = [r for r in rows if r.get("dropout_cost") == r.get("dropout_cost") and r.get("dropout_cost") is not None]
+    if not costly:
+        return []
+    lines = ["", "Dropout's cost (time with dropout / the same backend's time without it):", "",
+             "| mode | head_dim | S | pattern | " + " | ".join(backends) + " |",
+             "|---|---:|---:|---|" + "---:|" * len(backends)]
+    cost = {(r["mode"], r["head_dim"], r["shape"], r["pattern_label"], r["backend"]): r["dropout_cost"] for r in costly}
+    for case in dict.fromkeys(key[:4] for key in cost):
+        cells = [f"{_fmt(cost[(*case, b)], 3)}×" if (*case, b) in cost else "—" for b in backends]
+        lines.append("| " + " | ".join(str(part) for part in case) + " | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(rows: list[dict], backends: list[str] | None = None, full: bool = False) -> str:
     """Per (mode, head_dim, dtype): rows ``S x pattern``, one column per backend with
     ``median ms (TFLOP/s, speed-up over that backend's dense)``; then the skips and failures. With
@@ -165,6 +180,7 @@ def markdown(rows: list[dict], backends: list[str] | None = None, full: bool = F
                     else:
                         cells.append({"skipped": "—", "wrong": "WRONG", "error": "ERROR"}.get(r["status"], r["status"]))
                 lines.append(f"| {shape} | {label} | {density:.3f} | " + " | ".join(cells) + " |")
+    lines += _dropout_costs(rows, backends)
     lines += _first_calls(rows, backends)
     problems: dict[tuple, int] = {}
     for r in rows:
@@ -178,8 +194,9 @@ def markdown(rows: list[dict], backends: list[str] | None = None, full: bool = F
             lines.append(f"- {status}: {backend} × {label} ({n} rows): {reason}")
     if full:
         cols = ["mode", "head_dim", "dtype", "shape", "batch", "pattern_label", "density", "backend", "impl",
-                "status", "median_ms", "p20_ms", "p80_ms", "tflops", "speedup_vs_dense", "first_call_ms",
-                "compiled_kernels", "cached_kernels", "dynamo_graphs", "peak_mem_mb", "check_against", "check_err"]
+                "status", "median_ms", "p20_ms", "p80_ms", "tflops", "speedup_vs_dense", "dropout_cost",
+                "first_call_ms", "compiled_kernels", "cached_kernels", "dynamo_graphs", "peak_mem_mb", "check_against",
+                "check_err"]
         cols += [c for c in columns(rows) if c.startswith("speedup_vs_") and c != "speedup_vs_dense"]
         lines += ["", "### All rows", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in rows:

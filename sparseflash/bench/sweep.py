@@ -5,7 +5,7 @@ CUDA-only on CPU, out of memory; ``reason`` says which), ``wrong`` (failed the c
 not timed, ``reason`` holds the error) or ``error`` (an unexpected exception, recorded, the sweep
 goes on). The backends of one case and mode are prepared one after another (first call, gate),
 then timed together, taking turns (``measure.time_steps``). Derived columns (``speedup_vs_dense``,
-``speedup_vs_<peer>``) are filled by ``derive``.
+``speedup_vs_<peer>``, ``dropout_cost``) are filled by ``derive``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import contextlib
 import gc
 import math
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -214,7 +214,8 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
                             "median_ms": math.nan, "p20_ms": math.nan, "p80_ms": math.nan,
                             "repeats": math.nan, "first_call_ms": math.nan, "compiled_kernels": math.nan,
                             "cached_kernels": math.nan, "dynamo_graphs": math.nan, "tflops": math.nan,
-                            "speedup_vs_dense": math.nan, "check_against": "", "check_err": math.nan,
+                            "speedup_vs_dense": math.nan, "dropout_cost": math.nan,
+                            "check_against": "", "check_err": math.nan,
                             "peak_mem_mb": math.nan, "kernel_configs": "",
                         }
                         if input_error:
@@ -236,7 +237,7 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
             if not input_error:
                 del q, k, v, do
             _free(device)
-    return derive(rows, cfg.backends, dense_label=_dense_label(cfg))
+    return derive(rows, cfg.backends, dense_label=_dense_label(cfg), undropped=_undropped_labels(cfg))
 
 
 def _dense_label(cfg: BenchConfig) -> Optional[str]:
@@ -246,9 +247,20 @@ def _dense_label(cfg: BenchConfig) -> Optional[str]:
     return None
 
 
-def derive(rows: list[dict], backends: Iterable[str], dense_label: Optional[str] = "dense") -> list[dict]:
-    """Fill ``speedup_vs_dense`` (the same backend's dense time / this time) and, for every other
-    backend of the run, ``speedup_vs_<peer>`` (the peer's time / this time; > 1: this one is faster)."""
+def _undropped_labels(cfg: BenchConfig) -> dict[str, str]:
+    """For each pattern with dropout, the label of the sweep's pattern with the same mask and score function
+    and no dropout (where there is one)."""
+    return {p.label: q.label for p in cfg.patterns if p.dropout_p
+            for q in reversed(cfg.patterns) if not q.dropout_p and (q.mask, q.score_mod) == (p.mask, p.score_mod)}
+
+
+def derive(rows: list[dict], backends: Iterable[str], dense_label: Optional[str] = "dense",
+           undropped: Mapping[str, str] | None = None) -> list[dict]:
+    """Fill ``speedup_vs_dense`` (the same backend's dense time / this time), for every other backend of
+    the run ``speedup_vs_<peer>`` (the peer's time / this time; > 1: this one is faster), and for a
+    pattern with dropout ``dropout_cost`` (this time / the same backend's time on ``undropped[label]``,
+    the pattern without it; > 1: dropout's cost)."""
+    undropped = undropped or {}
     backends = list(dict.fromkeys(backends))
     ok = {tuple(r[c] for c in KEY) + (r["pattern_label"], r["backend"]): r["median_ms"]
           for r in rows if r["status"] == "ok"}
@@ -257,6 +269,8 @@ def derive(rows: list[dict], backends: Iterable[str], dense_label: Optional[str]
         mine = r["median_ms"] if r["status"] == "ok" else math.nan
         dense = ok.get(key + (dense_label, r["backend"]), math.nan)
         r["speedup_vs_dense"] = dense / mine if mine == mine and dense == dense else math.nan
+        plain = ok.get(key + (undropped.get(r["pattern_label"]), r["backend"]), math.nan)
+        r["dropout_cost"] = mine / plain if mine == mine and plain == plain else math.nan
         peers = {}
         for peer in backends:  # every row gets every column (NaN for its own backend)
             theirs = ok.get(key + (r["pattern_label"], peer), math.nan) if peer != r["backend"] else math.nan
