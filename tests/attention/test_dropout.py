@@ -82,8 +82,18 @@ def _run_case(case, backend, device, compiler=None, batch=2, heads=4):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_dropout_matches_reference(case, backend):
+def test_dropout_matches_reference(case, backend, monkeypatch):
+    from sparseflash.attention.api import resolve_mask
+    from sparseflash.attention.triton import forward_decode
+    from sparseflash.attention.triton.plan import LaunchPlan
+    from sparseflash.attention.triton.tuning import planned
+
+    monkeypatch.setattr(forward_decode, "SPLIT_MIN_TILES", 1)  # decoding: split the small shapes' rows too
     _run_case(case, backend, "cpu")
+    if case[0] == "decode-dense" and backend == "triton":  # the split forward's shares drop their own scores
+        q, k = torch.empty(2, 4, case[1], case[3]), torch.empty(2, 2, case[2], case[3])
+        plan = LaunchPlan.of(q, k, resolve_mask(None, case[1], case[2], 4), True, case[3] ** -0.5, None, True)
+        assert forward_decode.splits(plan, planned("decode", plan.config_key), q.device) > 1
 
 
 @pytest.mark.parametrize("tiles", [(64, 16), (16, 64)], ids=lambda t: f"tiles{t[0]}x{t[1]}")
