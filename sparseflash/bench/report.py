@@ -137,13 +137,14 @@ def _first_calls(rows: list[dict], backends: list[str]) -> list[str]:
 
 def _dropout_costs(rows: list[dict], backends: list[str]) -> list[str]:
     """Per case with dropout: each backend's time with it / its time without it (``dropout_cost``)."""
-    costly = [r for r in rows if r.get("dropout_cost") == r.get("dropout_cost") and r.get("dropout_cost") is not None]
+    costly = [r for r in rows if not math.isnan(r.get("dropout_cost", math.nan))]
     if not costly:
         return []
     lines = ["", "Dropout's cost (time with dropout / the same backend's time without it):", "",
              "| mode | head_dim | S | pattern | " + " | ".join(backends) + " |",
              "|---|---:|---:|---|" + "---:|" * len(backends)]
-    cost = {(r["mode"], r["head_dim"], r["shape"], r["pattern_label"], r["backend"]): r["dropout_cost"] for r in costly}
+    cost = {(r["mode"], r["head_dim"], r["shape"], r["pattern_label"], r["backend"]): r["dropout_cost"]
+            for r in costly}
     for case in dict.fromkeys(key[:4] for key in cost):
         cells = [f"{_fmt(cost[(*case, b)], 3)}×" if (*case, b) in cost else "—" for b in backends]
         lines.append("| " + " | ".join(str(part) for part in case) + " | " + " | ".join(cells) + " |")
