@@ -9,7 +9,7 @@ It defines sparseflash's semantics; every other backend is tested against it:
   key index is below ``key_lengths[b]``; dropped scores get no probability;
 - a query row that keeps no score has output 0, log-sum-exp ``-inf`` and zero gradients (never NaN);
 - with dropout, the probabilities ``sparseflash.attention.dropout.kept`` drops are 0 and the others are
-  scaled by ``1 / (1 - p)`` before ``@ v``; ``lse`` is that of the scores;
+  scaled by ``dropout.scale`` (1 / the chance of being kept) before ``@ v``; ``lse`` is that of the scores;
 - the output has the dtype of ``q``; ``lse`` (natural log) is fp32.
 """
 
