@@ -32,7 +32,8 @@ class Dist:
             torch.cuda.set_device(self.device)
         self.enabled = self.world > 1
         if self.enabled and not dist.is_initialized():
-            dist.init_process_group("nccl" if want_cuda else "gloo")
+            # nccl binds to this rank's GPU at once (device_id), instead of guessing it at the first barrier
+            dist.init_process_group("nccl" if want_cuda else "gloo", device_id=self.device if want_cuda else None)
 
     @property
     def main(self) -> bool:

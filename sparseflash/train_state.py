@@ -119,11 +119,13 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
+    """Restore ``_rng_state()``; the generators take their states as CPU byte tensors, which a checkpoint
+    loaded onto a GPU (``map_location``) has moved there."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def _save_atomic(obj: Any, path: Path) -> None:

@@ -1,7 +1,9 @@
 """DDP on CPU: two gloo processes train as one process does on the same global batch, resume
 exactly across both ranks, the torchrun entry point logs once, and a rank killed mid-run fails the
-job cleanly, which resume=true then finishes as if nothing had happened."""
+job cleanly, which resume=true then finishes as if nothing had happened (also on two GPUs, with nccl,
+the Triton kernels and bf16, where there are two); scripts/ddp_scaling.py compares the two ways."""
 
+import json
 import os
 import signal
 import socket
@@ -71,9 +73,15 @@ def test_two_processes_train_as_one_and_resume_exactly(tmp_path):
         assert torch.equal(a["model"][k], b["model"][k]), k
 
 
+# What a run on two GPUs changes: nccl, the Triton kernels and bf16 autocast (the trainer's default).
+ON_GPUS = ["device=cuda", "attention.backend=triton"]
+
+
 def _torchrun(tmp_path, run_dir, *overrides) -> subprocess.Popen:
-    """``torchrun --nproc_per_node=2 experiments/train.py`` on the tiny ListOps, started."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    """``torchrun --nproc_per_node=2 experiments/train.py`` on the tiny ListOps (on the CPU unless
+    ``overrides`` say otherwise), started."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep where packages are
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "experiments" / "train.py"), *TINY, *SMALL_LISTOPS, f"data_root={tmp_path / 'data'}",
            f"hydra.run.dir={run_dir}", "device=cpu", *overrides]
@@ -117,10 +125,17 @@ def _workers(agent_pid: int) -> dict[int, int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the workers through Linux's /proc")
-def test_a_killed_rank_fails_the_job_and_resume_finishes_it_exactly(tmp_path):
+@pytest.mark.parametrize("where", [
+    pytest.param([], id="cpu-gloo"),
+    pytest.param(ON_GPUS, id="2gpu-nccl", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]),
+])
+def test_a_killed_rank_fails_the_job_and_resume_finishes_it_exactly(tmp_path, where):
     """SIGKILL rank 1 once a checkpoint exists: torchrun exits non-zero within seconds and no worker
     is left; resume=true then completes the run with the metrics of an uninterrupted one."""
-    steps = ["trainer.max_steps=300", "trainer.checkpoint_every=20", "trainer.eval_every=100", "trainer.batch_size=8"]
+    steps = ["trainer.max_steps=300", "trainer.checkpoint_every=20", "trainer.eval_every=100", "trainer.batch_size=8",
+             *where]
     straight = _finish(_torchrun(tmp_path, tmp_path / "straight", *steps))
     assert straight.returncode == 0, straight.stderr[-4000:]
 
@@ -145,3 +160,30 @@ def test_a_killed_rank_fails_the_job_and_resume_finishes_it_exactly(tmp_path):
     resumed = _finish(_torchrun(tmp_path, cut_dir, *steps, "resume=true"))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert _strip(read_jsonl(cut_dir / "metrics.jsonl")) == _strip(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("weak", [False, True], ids=["same-global-batch", "weak"])
+def test_scaling_script_compares_one_process_with_two(tmp_path, weak):
+    """scripts/ddp_scaling.py on two gloo processes: with the same global batch the curves agree to fp32
+    rounding (and it says so); with --weak the torchrun run takes twice the batch and only throughput
+    is compared. A second call into the same --out is refused rather than resumed."""
+    out = tmp_path / "scaling"
+    cmd = [sys.executable, str(ROOT / "scripts" / "ddp_scaling.py"), "--gpus", "2", "--steps", "6", "--skip", "2",
+           "--out", str(out), *(["--weak"] if weak else []), *TINY, *SMALL_LISTOPS, f"data_root={tmp_path / 'data'}",
+           "device=cpu", "trainer.batch_size=8", "trainer.eval_every=3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
+    result = json.loads((out / "scaling.json").read_text())
+    assert result["steps"] == 6 and result["throughput_scaling"] > 0
+    assert result["global_batch"] == {"one": 8, "ddp": 16 if weak else 8}
+    if weak:
+        assert "loss_rel_diff_max" not in result
+    else:
+        assert result["loss_rel_diff_max"] < LOSS_TOL, result
+        assert [int(s) for s in result["val_loss"]] == [3, 6]
+        for v in result["val_loss"].values():
+            assert v["ddp"] == pytest.approx(v["one"], rel=LOSS_TOL)
+    assert "throughput" in done.stdout
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "exists" in again.stderr

@@ -13,7 +13,7 @@ broadcast index tensors (positions clamped into the sequences, as the kernels do
 differentiates the score function with ``torch.func.vjp``, chunk by chunk, which also gives the
 gradients of the tensors it captures. A mask with a batch dimension is run one batch element at a time.
 With dropout, each chunk's keep mask (``sparseflash.attention.dropout.kept_blocks``: the kernels' pattern,
-a draw per eight scores) is drawn in the forward and drawn again in the backward.
+a draw per sixteen scores) is drawn in the forward and drawn again in the backward.
 """
 
 from __future__ import annotations

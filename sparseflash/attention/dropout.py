@@ -2,24 +2,25 @@
 
 A call with ``dropout_p > 0`` draws one 64-bit seed from torch's generator of the inputs' device
 (``torch.manual_seed`` makes it repeatable; every call draws a new one). Score ``(b, h, i, j)``
-(batch, query head, query, key) is dropped when a random 16-bit integer is below
-``t = round(p * 2**16)``, and a kept probability is scaled by ``1 / (1 - t / 2**16)``: the drop
-probability is p rounded to a multiple of 2^-16, and the expected output is the undropped one.
+(batch, query head, query, key) is dropped when a random byte is below ``t = round(p * 256)``, and a
+kept probability is scaled by ``1 / (1 - t / 256)``: the drop probability is p rounded to a multiple
+of 1/256, as FlashAttention-2 does, and the expected output is the undropped one.
 ``o = (P * Z * scale) @ V`` with ``P`` the normalised probabilities and ``Z`` the keep mask; the
 log-sum-exp is that of the scores, without dropout.
 
-The random integers come from Philox-4x32 with 7 rounds (``tl.philox(..., n_rounds=7)``, the
+The random bytes come from Philox-4x32 with 7 rounds (``tl.philox(..., n_rounds=7)``, the
 generator of ``tl.rand``, with the rounds of FlashAttention-2's dropout: Random123 found Philox-4x32
 passes TestU01's BigCrush from 7 rounds and gives 10 as a safety margin; the draws are most of a
 kernel's dropout work), keyed by the seed, at the counter
-``(j // 16 * 4 + j % 8 // 2, i // 16 * 8 + i % 8, b * H + h, 0)``. Of its four 32-bit words score
-``(i, j)`` takes word ``2 * (i // 8 % 2) + j // 8 % 2`` and of that word the 16-bit half ``j % 2``
-(low, high). So one counter serves eight scores, queries ``i, i + 8`` and keys ``j, j + 1, j + 8,
-j + 9``: on a tensor-core tile with the queries along the rows one thread holds all eight, and with
-the keys along the rows (the dK/dV loop) two threads hold four each and both draw it. No tile size
-enters the pattern, so the backward draws the same numbers as the forward; nothing is stored.
-``philox`` below is the same function in PyTorch (int64 arithmetic on 32-bit values), which the
-``reference`` and ``blocked`` backends use, so that every backend drops the same scores.
+``(j // 32 * 4 + j % 8 // 2, i // 16 * 8 + i % 8, b * H + h, 0)``. Of its four 32-bit words score
+``(i, j)`` takes word ``j // 8 % 4`` and of that word byte ``2 * (i // 8 % 2) + j % 2`` (from the
+low end). So one counter serves sixteen scores, queries ``i, i + 8`` by keys ``j, j + 1`` and the
+same 8, 16 and 24 keys on: on a tensor-core tile with the queries along the rows one thread holds
+all sixteen, and with the keys along the rows (the dK/dV loop) keys ``j, j + 8`` sit with one thread,
+which draws the counter for its four scores. No tile size enters the pattern, so the backward draws
+the same numbers as the forward; nothing is stored. ``philox`` below is the same function in
+PyTorch (int64 arithmetic on 32-bit values), which the ``reference`` and ``blocked`` backends use,
+so that every backend drops the same scores.
 """
 
 from __future__ import annotations
@@ -44,19 +45,23 @@ class Dropout:
 
     @property
     def threshold(self) -> int:
-        """A score is dropped when its 16-bit random integer is below this."""
-        return min(round(self.p * 2**16), 2**16 - 1)
+        """A score is dropped when its random byte is below this."""
+        return min(round(self.p * 256), 255)
 
     @property
     def scale(self) -> float:
         """What a kept probability is multiplied by: 1 / the chance of being kept."""
-        return 1.0 / (1.0 - self.threshold / 2**16)
+        return 1.0 / (1.0 - self.threshold / 256)
 
 
 def check_p(p, name: str = "dropout_p") -> float:
-    """``p`` as a float in [0, 1), or a ValueError that says what ``name`` was given."""
+    """``p`` as a float in [0, 1), or a ValueError that says what ``name`` was given (also for a p > 0
+    too small to drop anything once rounded to a multiple of 1/256)."""
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
         raise ValueError(f"{name} must be a number in [0, 1); got {p!r}")
+    if 0.0 < p < 1 / 512:
+        raise ValueError(f"{name}={p!r} rounds to 0 at dropout's resolution of 1/256 (it would drop nothing); "
+                         f"give 0 or at least 1/512")
     return float(p)
 
 
@@ -92,28 +97,34 @@ def philox(seed: torch.Tensor, c0, c1, c2, c3) -> tuple[torch.Tensor, ...]:
     return c0, c1, c2, c3
 
 
+def _kept_byte(word: torch.Tensor, byte, threshold: int) -> torch.Tensor:
+    return ((word >> (byte * 8)) & 0xFF) >= threshold
+
+
 def kept_blocks(dropout: Dropout, heads: int, b, h, q_start, kv_start, block_m: int, block_n: int) -> torch.Tensor:
     """``kept`` of whole tiles: bool ``L + (block_m, block_n)`` for the queries ``q_start + [0, block_m)``
     and keys ``kv_start + [0, block_n)``, where ``b, h, q_start, kv_start`` are int64 tensors that
-    broadcast to the leading shape ``L`` (one tile each), the starts and sizes multiples of 16. It draws
-    each counter once for its eight scores, an eighth of ``kept``'s draws (the blocked backend's tiles)."""
+    broadcast to the leading shape ``L`` (one tile each), each start a multiple of its size. With
+    block_m a multiple of 16 and block_n of 32 it draws each counter once for its sixteen scores (the
+    blocked backend's tiles), else score by score."""
     device = dropout.seed.device
-    q_rows = (q_start // 2)[..., None, None] + torch.arange(block_m // 2, device=device)[:, None]
-    key_groups = (kv_start // 4)[..., None, None] + torch.arange(block_n // 4, device=device)
-    words = torch.stack(philox(dropout.seed, key_groups, q_rows, (b * heads + h)[..., None, None], 0), -1)
     i, j = torch.arange(block_m, device=device)[:, None], torch.arange(block_n, device=device)
-    q_row, key_group = ((i >> 4) << 3) | (i & 7), ((j >> 4) << 2) | ((j & 7) >> 1)
-    word = words[..., q_row, key_group, 2 * ((i >> 3) & 1) + ((j >> 3) & 1)]
-    return ((word >> ((j & 1) * 16)) & 0xFFFF) >= dropout.threshold
+    if block_m % 16 or block_n % 32:
+        q_idx, kv_idx = q_start[..., None, None] + i, kv_start[..., None, None] + j
+        return kept(dropout, heads, b[..., None, None], h[..., None, None], q_idx, kv_idx)
+    q_rows = (q_start // 2)[..., None, None] + torch.arange(block_m // 2, device=device)[:, None]
+    key_groups = (kv_start // 8)[..., None, None] + torch.arange(block_n // 8, device=device)
+    words = torch.stack(philox(dropout.seed, key_groups, q_rows, (b * heads + h)[..., None, None], 0), -1)
+    q_row, key_group = ((i >> 4) << 3) | (i & 7), ((j >> 5) << 2) | ((j & 7) >> 1)
+    word = words[..., q_row, key_group, (j >> 3) & 3]
+    return _kept_byte(word, 2 * ((i >> 3) & 1) + (j & 1), dropout.threshold)
 
 
 def kept(dropout: Dropout, heads: int, b, h, q_idx, kv_idx) -> torch.Tensor:
     """Bool tensor, True where score ``(b, h, q_idx, kv_idx)`` is kept: the int64 index tensors broadcast
     together (``heads``: the query heads H)."""
-    key_group = ((kv_idx >> 4) << 2) | ((kv_idx & 7) >> 1)
+    key_group = ((kv_idx >> 5) << 2) | ((kv_idx & 7) >> 1)
     query_row = ((q_idx >> 4) << 3) | (q_idx & 7)
-    words = philox(dropout.seed, key_group, query_row, b * heads + h, 0)
-    high_row, high_col = (q_idx >> 3) & 1, (kv_idx >> 3) & 1
-    word = torch.where(high_row == 1, torch.where(high_col == 1, words[3], words[2]),
-                       torch.where(high_col == 1, words[1], words[0]))
-    return ((word >> ((kv_idx & 1) * 16)) & 0xFFFF) >= dropout.threshold
+    words = torch.stack(philox(dropout.seed, key_group, query_row, b * heads + h, 0), -1)
+    word = torch.gather(words, -1, torch.broadcast_to((kv_idx >> 3) & 3, words.shape[:-1])[..., None])[..., 0]
+    return _kept_byte(word, 2 * ((q_idx >> 3) & 1) + (kv_idx & 1), dropout.threshold)

@@ -221,36 +221,38 @@ def test_torch_philox_equals_triton_philox():
         assert torch.equal(got, want), f"seed {seed}: the words differ"
 
 
-def test_whole_tiles_drop_what_single_scores_drop():
-    """``kept_blocks`` (the blocked backend's: a draw per counter) against ``kept`` (a draw per score) on
-    tiles at random 16-aligned starts, of several heads and batch elements."""
+@pytest.mark.parametrize("block_m,block_n", [(32, 64), (16, 32), (32, 16)], ids=["32x64", "16x32", "32x16-score-by-score"])
+def test_whole_tiles_drop_what_single_scores_drop(block_m, block_n):
+    """``kept_blocks`` (the blocked backend's: a draw per counter, or per score for key tiles narrower
+    than 32) against ``kept`` (a draw per score) on tiles at random starts (multiples of the tile), of
+    several heads and batch elements."""
     dropout = Dropout(0.3, torch.randint(0, 2**62, ()))
     b, h = torch.tensor([[0], [3]]), torch.tensor([[1, 0, 5]])  # (2, 1) and (1, 3): six tiles
-    q_start, kv_start = (torch.randint(0, 200, (2, 3)) * 16 for _ in range(2))
-    tiles = kept_blocks(dropout, 8, b, h, q_start, kv_start, 32, 64)
-    assert tiles.shape == (2, 3, 32, 64)
+    q_start, kv_start = torch.randint(0, 200, (2, 3)) * block_m, torch.randint(0, 200, (2, 3)) * block_n
+    tiles = kept_blocks(dropout, 8, b, h, q_start, kv_start, block_m, block_n)
+    assert tiles.shape == (2, 3, block_m, block_n)
     for x in range(2):
         for y in range(3):
-            q_idx = q_start[x, y] + torch.arange(32)[:, None]
-            kv_idx = kv_start[x, y] + torch.arange(64)[None, :]
+            q_idx = q_start[x, y] + torch.arange(block_m)[:, None]
+            kv_idx = kv_start[x, y] + torch.arange(block_n)[None, :]
             assert torch.equal(tiles[x, y], kept(dropout, 8, b[x, 0], h[0, y], q_idx, kv_idx))
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 1e-3])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.01])
 def test_kept_fraction_is_one_minus_p(p):
-    """Over 2^20 scores the kept fraction is within 5 standard deviations of 1 - p (p rounded to 2^-16),
-    also in each of the eight positions a counter serves (query row half, key column half, key parity),
-    and neighbouring scores are independent."""
+    """Over 2^20 scores the kept fraction is within 5 standard deviations of 1 - p (p rounded to 1/256),
+    also in each of the sixteen positions a counter serves (query row half, key column quarter, key
+    parity), and neighbouring scores are independent."""
     dropout = Dropout(p, torch.randint(0, 2**62, ()))
-    assert abs(dropout.threshold / 2**16 - p) <= 2**-17
-    keep_p = 1 - dropout.threshold / 2**16
+    assert abs(dropout.threshold / 256 - p) <= 1 / 512
+    keep_p = 1 - dropout.threshold / 256
     q_idx, kv_idx = torch.arange(512)[:, None], torch.arange(512)[None, :]
     keep = kept(dropout, 4, torch.arange(2)[:, None, None, None], torch.arange(2)[None, :, None, None], q_idx, kv_idx)
     sigma = (keep_p * (1 - keep_p) / keep.numel()) ** 0.5
     assert abs(keep.float().mean().item() - keep_p) < 5 * sigma
-    # (b, h, i // 16, i // 8 % 2, i % 8, j // 16, j // 8 % 2, j % 8 // 2, j % 2)
-    octet = keep.view(2, 2, 32, 2, 8, 32, 2, 4, 2).float().mean((0, 1, 2, 4, 5, 7))
-    assert (octet - keep_p).abs().max().item() < 5 * sigma * 8 ** 0.5, f"counter positions keep {octet.tolist()}"
+    # (b, h, i // 16, i // 8 % 2, i % 8, j // 32, j // 8 % 4, j % 8 // 2, j % 2)
+    sixteen = keep.view(2, 2, 32, 2, 8, 16, 4, 4, 2).float().mean((0, 1, 2, 4, 5, 7))
+    assert (sixteen - keep_p).abs().max().item() < 5 * sigma * 16 ** 0.5, f"counter positions keep {sixteen.tolist()}"
     for shifted in (keep[..., :, 1:] & keep[..., :, :-1], keep[..., 1:, :] & keep[..., :-1, :]):
         assert abs(shifted.float().mean().item() - keep_p ** 2) < 5 * sigma * 2
 
@@ -260,6 +262,12 @@ def test_bad_dropout_p_is_refused(bad):
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\)"):
         sparseflash.attention(q, q, q, dropout_p=bad)
+
+
+def test_dropout_p_that_rounds_to_nothing_is_refused():
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=r"dropout_p=0.001 rounds to 0 at dropout's resolution of 1/256"):
+        sparseflash.attention(q, q, q, dropout_p=1e-3)
 
 
 def test_module_drops_in_training_only():

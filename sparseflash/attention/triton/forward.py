@@ -16,8 +16,8 @@ Constexpr flags (one kernel body, specialised by the compiler):
   MASK_MOD        SPARSE only: a generated element predicate (codegen.py) for the partial blocks, or None.
   SCORE_MOD       a generated score function (codegen.py) for every computed score, or None; both read
                   their captured tensors through the MODS table.
-  DROPOUT         drop probabilities with the seed at SEED: a score is dropped when its random 16-bit
-                  integer is below dropout_threshold, a kept one scaled by dropout_scale
+  DROPOUT         drop probabilities with the seed at SEED: a score is dropped when its random byte
+                  is below dropout_threshold, a kept one scaled by dropout_scale
                   (sparseflash.attention.dropout); the sum l takes every probability.
 
 The softmax runs in base 2: scores are scaled by scale * log2(e), the running max m and sum l

@@ -196,11 +196,11 @@ def load_seed(SEED, DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def _kept_half(word, shift, threshold):
-    """A score with the 16-bit half ``(word >> shift) & 0xFFFF`` of a random word (shift 0 or 16) is kept
-    when the half is at least threshold; compared as the half moved to the top (unsigned): the high
-    half needs no instruction to extract it."""
-    return (word << (16 - shift)) >= (threshold.to(tl.uint32) << 16)
+def _kept_byte(word, byte, threshold):
+    """A score with the random byte ``(word >> 8 * byte) & 0xFF`` is kept when the byte is at least
+    threshold; compared as the byte moved to the top (unsigned): the top byte needs no instruction
+    to extract it."""
+    return (word << (24 - 8 * byte)) >= (threshold.to(tl.uint32) << 24)
 
 
 @triton.jit
@@ -208,49 +208,56 @@ def dropout_kept(seed, drop_row, q_idx, kv_idx, threshold):
     """Whether dropout keeps the scores at query positions q_idx and key positions kv_idx (tiles that
     broadcast together, either way round) of row stream drop_row (b * H + h: a scalar, or a tile for
     rows of several heads), score by score: Philox-4x32 (PHILOX_ROUNDS rounds) keyed by seed (int64)
-    at the counter (kv_idx // 16 * 4 + kv_idx % 8 // 2, q_idx // 16 * 8 + q_idx % 8, drop_row, 0); of
-    its four words the score takes word 2 * (q_idx // 8 % 2) + kv_idx // 8 % 2, of that word the half
-    kv_idx % 2, and is kept when the half is at least threshold (sparseflash.attention.dropout states
+    at the counter (kv_idx // 32 * 4 + kv_idx % 8 // 2, q_idx // 16 * 8 + q_idx % 8, drop_row, 0); of
+    its four words the score takes word kv_idx // 8 % 4, of that word byte 2 * (q_idx // 8 % 2) +
+    kv_idx % 2, and is kept when the byte is at least threshold (sparseflash.attention.dropout states
     it, and computes the same in PyTorch)."""
-    c0 = (((kv_idx >> 4) << 2) | ((kv_idx & 7) >> 1)).to(tl.uint32)
+    c0 = (((kv_idx >> 5) << 2) | ((kv_idx & 7) >> 1)).to(tl.uint32)
     c1 = (((q_idx >> 4) << 3) | (q_idx & 7)).to(tl.uint32)
     w0, w1, w2, w3 = tl.philox(seed, c0, c1, drop_row, 0, PHILOX_ROUNDS)
-    high_col = ((kv_idx >> 3) & 1) == 1
-    word = tl.where(((q_idx >> 3) & 1) == 1, tl.where(high_col, w3, w2), tl.where(high_col, w1, w0))
-    return _kept_half(word, ((kv_idx & 1) * 16).to(tl.uint32), threshold)
+    word_index = (kv_idx >> 3) & 3
+    word = tl.where(word_index < 2, tl.where(word_index == 0, w0, w1), tl.where(word_index == 2, w2, w3))
+    return _kept_byte(word, (2 * ((q_idx >> 3) & 1) + (kv_idx & 1)).to(tl.uint32), threshold)
+
+
+@triton.jit
+def _kept_bytes(word, threshold):
+    """The four scores of a word: [..., j % 2, i // 8 % 2] (byte 2 * (i // 8 % 2) + j % 2)."""
+    return tl.join(tl.join(_kept_byte(word, 0, threshold), _kept_byte(word, 1, threshold)),
+                   tl.join(_kept_byte(word, 2, threshold), _kept_byte(word, 3, threshold)))
 
 
 @triton.jit
 def _kept_query_rows(seed, drop_row, row_start, col_start, threshold, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """``dropout_kept_tile`` with the queries along the rows: a (ROWS/2, COLS/4) grid of counters, each
-    for its eight scores (i, j), (i, j + 1), (i, j + 8), (i, j + 9) and the same at i + 8, all held by
-    one thread of a tensor-core tile."""
+    """``dropout_kept_tile`` with the queries along the rows: a (ROWS/2, COLS/8) grid of counters, each
+    for its sixteen scores (i, j), (i, j + 1), (i, j + 8), (i, j + 9), ... (i, j + 25) and the same at
+    i + 8, all held by one thread of a tensor-core tile."""
     rows = (row_start // 2 + tl.arange(0, ROWS // 2)).to(tl.uint32)[:, None]  # q' of the rows i
-    cols = (col_start // 4 + tl.arange(0, COLS // 4)).to(tl.uint32)[None, :]  # the key groups
-    w0, w1, w2, w3 = tl.philox(seed, cols, rows, drop_row, 0, PHILOX_ROUNDS)  # word 2 * (i // 8 % 2) + j // 8 % 2
-    # [q', group, j % 2, j // 8 % 2, i // 8 % 2] -> [i // 16, i // 8 % 2, i % 8, j // 16, j // 8 % 2, j % 8 // 2, j % 2]
-    octets = tl.join(tl.join(tl.join(_kept_half(w0, 0, threshold), _kept_half(w0, 16, threshold)),
-                             tl.join(_kept_half(w1, 0, threshold), _kept_half(w1, 16, threshold))),
-                     tl.join(tl.join(_kept_half(w2, 0, threshold), _kept_half(w2, 16, threshold)),
-                             tl.join(_kept_half(w3, 0, threshold), _kept_half(w3, 16, threshold))))
-    octets = tl.reshape(octets, [ROWS // 16, 8, COLS // 16, 4, 2, 2, 2])
-    return tl.reshape(tl.permute(octets, 0, 6, 1, 2, 5, 3, 4), [ROWS, COLS])
+    cols = (col_start // 8 + tl.arange(0, COLS // 8)).to(tl.uint32)[None, :]  # the key groups
+    w0, w1, w2, w3 = tl.philox(seed, cols, rows, drop_row, 0, PHILOX_ROUNDS)  # word j // 8 % 4
+    sixteens = tl.join(tl.join(_kept_bytes(w0, threshold), _kept_bytes(w1, threshold)),
+                       tl.join(_kept_bytes(w2, threshold), _kept_bytes(w3, threshold)))
+    # [q', group, j % 2, i // 8 % 2, j // 8 % 2, j // 16 % 2]
+    #   -> [i // 16, i // 8 % 2, i % 8, j // 32, j // 16 % 2, j // 8 % 2, j % 8 // 2, j % 2]
+    sixteens = tl.reshape(sixteens, [ROWS // 16, 8, COLS // 32, 4, 2, 2, 2, 2])
+    return tl.reshape(tl.permute(sixteens, 0, 5, 1, 2, 7, 6, 3, 4), [ROWS, COLS])
 
 
 @triton.jit
 def _kept_key_rows(seed, drop_row, row_start, col_start, threshold, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """``dropout_kept_tile`` with the keys along the rows: keys j and j + 1 sit with different threads of
-    a tensor-core tile, so each of them draws the counter of its key group (a (ROWS/2, COLS/2) grid, two
-    rows per counter) and takes its half of the words, for the four scores (i, j), (i + 8, j),
-    (i, j + 8), (i + 8, j + 8)."""
+    """``dropout_kept_tile`` with the keys along the rows: of a counter's sixteen scores a thread of a
+    tensor-core tile holds those of keys j and j + 8 (j + 1 and j + 16 sit with other threads), so
+    each thread draws the counter of its keys (a (ROWS/2, COLS/2) grid, two rows per counter) for the
+    four scores (j, i), (j, i + 8), (j + 8, i), (j + 8, i + 8)."""
     r = tl.arange(0, ROWS // 2)  # the rows j of the quads: row_start + r // 8 * 16 + r % 8
-    groups = (row_start // 4 + (r >> 3) * 4 + ((r & 7) >> 1)).to(tl.uint32)[:, None]
+    groups = (row_start // 8 + (r >> 4) * 4 + ((r & 7) >> 1)).to(tl.uint32)[:, None]
     cols = (col_start // 2 + tl.arange(0, COLS // 2)).to(tl.uint32)[None, :]  # q' of the columns i
     w0, w1, w2, w3 = tl.philox(seed, groups, cols, drop_row, 0, PHILOX_ROUNDS)
-    shift = ((r & 1) * 16).to(tl.uint32)[:, None]  # the half of key j: j % 2
-    # by (row half, column half) = (j // 8 % 2, i // 8 % 2): word 2 * column half + row half
-    quads = tl.join(tl.join(_kept_half(w0, shift, threshold), _kept_half(w2, shift, threshold)),
-                    tl.join(_kept_half(w1, shift, threshold), _kept_half(w3, shift, threshold)))
+    odd = (((r >> 3) & 1) == 1)[:, None]  # the rows j with j // 16 odd take words 2 and 3 (j // 8 % 4)
+    low, high = tl.where(odd, w2, w0), tl.where(odd, w3, w1)  # the words of keys j and j + 8
+    byte = (r & 1).to(tl.uint32)[:, None]  # j % 2; + 2 for the columns i + 8
+    quads = tl.join(tl.join(_kept_byte(low, byte, threshold), _kept_byte(low, byte + 2, threshold)),
+                    tl.join(_kept_byte(high, byte, threshold), _kept_byte(high, byte + 2, threshold)))
     # [row', column', column half, row half] -> [row blocks of 16, row half, 8, column blocks, column half, 8]
     quads = tl.reshape(quads, [ROWS // 16, 8, COLS // 16, 8, 2, 2])
     return tl.reshape(tl.permute(quads, 0, 5, 1, 2, 4, 3), [ROWS, COLS])
@@ -260,15 +267,24 @@ def _kept_key_rows(seed, drop_row, row_start, col_start, threshold, ROWS: tl.con
 def dropout_kept_tile(seed, drop_row, row_start, col_start, threshold, ROWS: tl.constexpr, COLS: tl.constexpr,
                       ROWS_ARE_QUERIES: tl.constexpr):
     """``dropout_kept`` of the (ROWS, COLS) tile of positions row_start + [0, ROWS) and col_start + [0, COLS)
-    (each start a multiple of 16, each size one too), queries along the rows (ROWS_ARE_QUERIES) or
-    along the columns. It draws each counter once per thread that holds its scores and spreads the
-    words by join, reshape and permute, in the order a thread of a tensor-core tile holds the scores
-    (rows r and r + 8, columns c, c + 1, c + 8 and c + 9), so that the tile comes out in the dot's
-    layout without moving data: 8 scores a draw with the queries along the rows, 4 with the keys."""
+    (each start a multiple of its size, the query side at least 16), queries along the rows
+    (ROWS_ARE_QUERIES) or along the columns. Where the key side is at least 32 it draws each counter
+    once per thread that holds its scores and spreads the words by join, reshape and permute, in the
+    order a thread of a tensor-core tile holds the scores (rows r and r + 8, columns c, c + 1, c + 8,
+    c + 9, ...), so that the tile comes out in the dot's layout without moving data: 16 scores a draw
+    with the queries along the rows, 4 with the keys. Narrower key tiles draw score by score."""
     if ROWS_ARE_QUERIES:
-        return _kept_query_rows(seed, drop_row, row_start, col_start, threshold, ROWS, COLS)
+        if COLS % 32 == 0:
+            return _kept_query_rows(seed, drop_row, row_start, col_start, threshold, ROWS, COLS)
+        else:
+            return dropout_kept(seed, drop_row, (row_start + tl.arange(0, ROWS))[:, None],
+                                (col_start + tl.arange(0, COLS))[None, :], threshold)
     else:
-        return _kept_key_rows(seed, drop_row, row_start, col_start, threshold, ROWS, COLS)
+        if ROWS % 32 == 0:
+            return _kept_key_rows(seed, drop_row, row_start, col_start, threshold, ROWS, COLS)
+        else:
+            return dropout_kept(seed, drop_row, (col_start + tl.arange(0, COLS))[None, :],
+                                (row_start + tl.arange(0, ROWS))[:, None], threshold)
 
 
 @triton.jit
