@@ -1,7 +1,8 @@
 """DDP on CPU: two gloo processes train as one process does on the same global batch, resume
 exactly across both ranks, the torchrun entry point logs once, and a rank killed mid-run fails the
 job cleanly, which resume=true then finishes as if nothing had happened (also on two GPUs, with nccl,
-the Triton kernels and bf16, where there are two); scripts/ddp_scaling.py compares the two ways."""
+the Triton kernels and bf16, where there are two); SIGTERM stops every rank at one checkpoint; W&B
+runs once; scripts/ddp_scaling.py compares the two ways."""
 
 import json
 import os
@@ -17,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sparseflash.train import run
-from tests.test_train import ROOT, SMALL_LISTOPS, TINY, make_cfg, read_jsonl
+from tests.test_train import ROOT, SMALL_LISTOPS, TINY, _wandb_history, make_cfg, read_jsonl
 
 # fp32 on CPU: two processes differ from one only in the order of sums (each rank pads its half
 # batch to its own longest example; the gradients are averaged by an all-reduce). Seen: 5e-8 to 1e-7.
@@ -103,6 +104,23 @@ def test_torchrun_entry_point_logs_once(tmp_path):
     assert proc.stdout.count("done in") == 1
 
 
+def test_torchrun_makes_one_wandb_run(tmp_path, monkeypatch):
+    """Under torchrun only rank 0 opens W&B: one offline run, whose history has each step once and the
+    final test scores."""
+    pytest.importorskip("wandb", reason="install the dev extra (wandb) to check W&B logging")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    run_dir = tmp_path / "ddp"
+    proc = _finish(_torchrun(tmp_path, run_dir, "logger=wandb", "trainer.max_steps=4", "trainer.eval_every=2",
+                             "trainer.batch_size=8"))
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-1000:]
+    runs = list(tmp_path.rglob("offline-run-*"))
+    assert [r.parent for r in runs] == [run_dir / "wandb"], runs
+    history = _wandb_history(run_dir, until=lambda h: any("test_acc" in r for r in h))
+    assert [h["_step"] for h in history if "step_time" in h] == [1, 2, 3, 4], history
+    assert sum("test_acc" in h for h in history) == 1
+
+
 def _last_step(run_dir) -> int:
     try:
         return max((r["step"] for r in _steps(run_dir)), default=0)
@@ -156,6 +174,38 @@ def test_a_killed_rank_fails_the_job_and_resume_finishes_it_exactly(tmp_path, wh
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
     cut_steps = [r["step"] for r in _steps(cut_dir)]
     assert 25 <= cut_steps[-1] < 300, f"killed at step {cut_steps[-1]}: give the run more steps"
+
+    resumed = _finish(_torchrun(tmp_path, cut_dir, *steps, "resume=true"))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert _strip(read_jsonl(cut_dir / "metrics.jsonl")) == _strip(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the workers through Linux's /proc")
+def test_sigterm_stops_every_rank_at_one_checkpoint_and_resume_finishes_exactly(tmp_path):
+    """SIGTERM to torchrun (what SLURM sends on pre-emption or at the time limit): torchrun passes it to
+    its workers, which agree on a logged step, checkpoint there together and exit; resume=true then
+    completes the run with the metrics of an uninterrupted one."""
+    steps = ["trainer.max_steps=300", "trainer.checkpoint_every=0", "trainer.eval_every=100", "trainer.batch_size=8",
+             "trainer.log_every=5"]
+    straight = _finish(_torchrun(tmp_path, tmp_path / "straight", *steps))
+    assert straight.returncode == 0, straight.stderr[-4000:]
+
+    cut_dir = tmp_path / "cut"
+    agent = _torchrun(tmp_path, cut_dir, *steps)
+    deadline = time.monotonic() + 180
+    while _last_step(cut_dir) < 20:
+        assert agent.poll() is None, "the run ended before the signal: give it more steps"
+        assert time.monotonic() < deadline, "not at step 20 within 180 s"
+        time.sleep(0.01)
+    workers = _workers(agent.pid)
+    agent.send_signal(signal.SIGTERM)
+    stopped = _finish(agent, timeout=120)
+    for pid in workers.values():
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
+    ckpt = torch.load(cut_dir / "checkpoints" / "last.pt", weights_only=False)
+    assert 20 <= ckpt["step"] < 300 and ckpt["step"] % 5 == 0, (ckpt["step"], stopped.stderr[-4000:])
+    assert len(ckpt["rng"]) == 2  # written by both ranks together
+    assert max(r["step"] for r in _steps(cut_dir)) == ckpt["step"]
 
     resumed = _finish(_torchrun(tmp_path, cut_dir, *steps, "resume=true"))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
