@@ -8,8 +8,8 @@
 - Checkpoints (``<run_dir>/checkpoints/last.pt``, see ``sparseflash.train_state``) hold
   everything a run needs to continue exactly where it stopped; they are written every
   ``trainer.checkpoint_every`` steps, at the end, at ``trainer.stop_after``, on SIGTERM (every rank
-  stops at the same step: with several processes, the next logged one) and on Ctrl-C (one process
-  only). ``resume=true`` continues the run in ``run_dir`` (an error if it has no checkpoint),
+  hears it and all stop at the next logged step) and on Ctrl-C (one process only).
+  ``resume=true`` continues the run in ``run_dir`` (an error if it has no checkpoint),
   ``resume=<path>`` the named checkpoint, ``resume=auto`` the run's own checkpoint when there is
   one and starts from scratch otherwise.
   A resumed run first drops the ``metrics.jsonl`` records of steps after its checkpoint (the
@@ -17,9 +17,7 @@
 - DDP under ``torchrun`` (gloo on CPU, nccl on CUDA; ``sparseflash.distributed``): the global
   batch is split across ranks (``sparseflash.data.stream``), evaluation is sharded and summed;
   only rank 0 logs and writes.
-- Logged per ``trainer.log_every`` steps (their averages; the metrics stay on the device until then,
-  so that the host queues a step's kernels while the device runs the last one): loss, acc, lr,
-  step_time, tokens_per_s, peak_mem_mb; per evaluation: val_loss,
+- Logged per step: loss, acc, lr, step_time, tokens_per_s, peak_mem_mb; per evaluation: val_loss,
   val_acc; at the end: best_val_acc, test_acc, total_time, the mask's density and picture.
   ``metrics.jsonl``, ``config.yaml`` and ``results.json`` go into the run directory. Console
   lines go to the ``sparseflash.train`` logger, which Hydra's job logging also writes into the
@@ -235,46 +233,27 @@ class _Console:
 
 
 class _Window:
-    """Training metrics of the steps since the last record, averaged (``trainer.log_every``). They are
-    summed on the device, so that a step does not wait for the device to finish the one before (the
-    host queues the next step's kernels meanwhile); ``record`` reads them once. The window's time is
-    the wall time of its steps: ``settle`` (before anything outside the steps that waits for the device:
-    evaluation, checkpoints) adds the time the device still needs for them."""
+    """Training metrics of the steps since the last record, averaged (``trainer.log_every``)."""
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self.loss = self.acc = self.tokens = None
-        self.seconds = 0.0
-        self.steps = 0
+        self.loss = self.acc = self.seconds = 0.0
+        self.steps = self.tokens = 0
 
-    def add(self, loss: torch.Tensor, acc: torch.Tensor, tokens: torch.Tensor, seconds: float) -> None:
-        """One step's mean loss and accuracy and its tokens (device tensors of shape ()), and the host's
-        time for it."""
-        sums = (loss.detach().double(), acc.double(), tokens.double())
-        self.loss, self.acc, self.tokens = sums if self.loss is None else (
-            self.loss + sums[0], self.acc + sums[1], self.tokens + sums[2])
+    def add(self, loss: float, acc: float, tokens: float, seconds: float) -> None:
+        self.loss += loss
+        self.acc += acc
+        self.tokens += tokens
         self.seconds += seconds
         self.steps += 1
 
-    def settle(self, device: torch.device) -> None:
-        """Wait for the device to finish the window's steps, counting the wait as their time."""
-        if device.type == "cuda" and self.steps:
-            t0 = time.perf_counter()
-            torch.cuda.synchronize(device)
-            self.seconds += time.perf_counter() - t0
-
-    def record(self, lr: float, device: torch.device, epoch: int, ctx: Dist) -> dict:
-        """The averages over the window's steps and the ranks (and the current lr, memory peak, epoch),
-        and a fresh window."""
-        self.settle(device)
-        t0 = time.perf_counter()
-        loss, acc, tokens = ctx.sum(torch.stack([self.loss, self.acc, self.tokens]).tolist())
-        self.seconds += time.perf_counter() - t0
+    def record(self, lr: float, device: torch.device, epoch: int) -> dict:
+        """The averages (and the current lr, memory peak, epoch), and a fresh window."""
         n = self.steps
-        record = {"loss": loss / ctx.world / n, "acc": acc / ctx.world / n, "lr": lr, "step_time": self.seconds / n,
-                  "tokens_per_s": tokens / max(self.seconds, 1e-9), "peak_mem_mb": _peak_mem_mb(device),
+        record = {"loss": self.loss / n, "acc": self.acc / n, "lr": lr, "step_time": self.seconds / n,
+                  "tokens_per_s": self.tokens / max(self.seconds, 1e-9), "peak_mem_mb": _peak_mem_mb(device),
                   "epoch": epoch}
         self.reset()
         return record
@@ -290,8 +269,8 @@ def _peak_mem_mb(device: torch.device) -> float:
 def _sigterm_flag() -> Iterator[dict]:
     """While the block runs, SIGTERM (SLURM pre-emption, a time limit, torchrun stopping its workers)
     sets ``flag["set"]`` instead of killing the process, so that the loop can checkpoint and stop like
-    an interruption. Every rank listens (SLURM and torchrun signal them all); the loop shares the
-    flags, so that all stop at the same step."""
+    an interruption. Every rank listens (SLURM and torchrun signal them all, and a rank that did not
+    listen would die at once); the loop shares the flags, so that all stop at the same step."""
     flag = {"set": False}
     previous = None
     with contextlib.suppress(ValueError):  # ValueError: not the main thread, no handler there
@@ -400,12 +379,15 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 state.step += 1
-                acc = (logits.argmax(-1) == batch["y"]).float().mean()
-                window.add(loss, acc, count_tokens(batch), time.perf_counter() - t0)
+                acc = (logits.argmax(-1) == batch["y"]).float().mean().item()
+                loss_sum, acc_sum, tokens = ctx.sum([loss.item(), acc, float(count_tokens(batch))])
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                window.add(loss_sum / ctx.world, acc_sum / ctx.world, tokens, time.perf_counter() - t0)
                 record = None
                 logged = state.step % log_every == 0 or state.step == max_steps
                 if logged:
-                    record = window.record(scheduler.get_last_lr()[0], device, stream.epoch, ctx)
+                    record = window.record(scheduler.get_last_lr()[0], device, stream.epoch)
                     logger.log(record, step=state.step)
                     if state.step % print_every == 0:
                         console.step(state.step, f"loss {record['loss']:.4f} | acc {record['acc']:.3f} | "
@@ -413,7 +395,6 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
                                                  f"{record['tokens_per_s']:.0f} tok/s")
                 console.advance(record)
                 if eval_every > 0 and (state.step % eval_every == 0 or state.step == max_steps):
-                    window.settle(device)
                     validate()
                 if max_time and state.seconds() > float(max_time) and state.step < max_steps:
                     console.line(f"trainer.max_time={max_time}s reached at step {state.step}: stopping early, "
@@ -421,12 +402,10 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
                     timed_out = True
                     break
                 stop_now = stop_after is not None and state.step >= int(stop_after)
-                # every rank stops at the same step: with several, they agree at logged steps only (a
-                # collective every step would make each step wait for the last)
-                signalled = sigterm["set"] if not ctx.enabled else (
-                    logged and ctx.sum([1.0 if sigterm["set"] else 0.0])[0] > 0)
+                # on SIGTERM every rank stops at the next logged step (agreed by a sum over the ranks), so
+                # that no window of averaged metrics is cut and a resumed run logs what an uninterrupted one does
+                signalled = logged and ctx.sum([1.0 if sigterm["set"] else 0.0])[0] > 0
                 if (ckpt_every and state.step % ckpt_every == 0) or stop_now or signalled:
-                    window.settle(device)
                     save()
                 if stop_now or signalled:
                     console.line(f"stopped at step {state.step}; checkpoint in {ckpt_path} "

@@ -50,8 +50,6 @@ def load_batch(dataset: SequenceDataset, indices: Sequence[int], device: torch.d
     return {k: v.to(device, non_blocking=True) for k, v in collate([dataset[i] for i in indices]).items()}
 
 
-def count_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Tokens in a batch, padding excluded (both documents of a pair): an int64 tensor of shape () on the
-    batch's device (reading it waits for the device; the training loop sums it there)."""
-    count = batch["lengths"].sum()
-    return count + batch["lengths2"].sum() if "lengths2" in batch else count
+def count_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens in a batch, padding excluded (both documents of a pair)."""
+    return int(batch["lengths"].sum()) + int(batch["lengths2"].sum() if "lengths2" in batch else 0)
