@@ -39,6 +39,8 @@ DEFAULTS = {"model.dropout": "0", "model.attention_dropout": "0", "trainer.log_e
 
 def _overrides(user: list[str], steps: int) -> list[str]:
     given = {o.split("=", 1)[0].lstrip("+~") for o in user}
+    if "trainer.max_steps" in given:
+        raise ValueError("give the number of steps as --steps, not as trainer.max_steps")
     extra = {**DEFAULTS, "trainer.max_steps": str(steps)}
     return [*user, *(f"{k}={v}" for k, v in extra.items() if k not in given)]
 
@@ -109,7 +111,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.gpus < 2:
         ap.error(f"--gpus must be at least 2 (the run to compare with one GPU); got {args.gpus}")
-    overrides = _overrides(args.overrides, args.steps)
+    try:
+        overrides = _overrides(args.overrides, args.steps)
+    except ValueError as e:
+        ap.error(str(e))
     taken = [d for d in (args.out / "one", args.out / "ddp") if d.exists()]
     if taken:
         ap.error(f"{taken[0]} exists (a run there would resume or mix with it): give another --out")
@@ -119,7 +124,7 @@ def main(argv=None) -> None:
     ddp_overrides = [*overrides, f"trainer.batch_size={batch * args.gpus}"] if args.weak else overrides
     _train([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
             str(TRAIN), *ddp_overrides], args.out / "ddp", args.out / "ddp.log")
-    result = {"gpus": args.gpus, "global_batch": {"one": batch, "ddp": batch * args.gpus if args.weak else batch},
+    result = {"gpus": args.gpus, "global_batch": {"one": batch, "ddp": _batch_size(args.out / "ddp")},
               "overrides": overrides, **compare(args.out / "one", args.out / "ddp", args.skip, curves=not args.weak)}
     (args.out / "scaling.json").write_text(json.dumps(result, indent=1) + "\n")
     if not args.weak:

@@ -380,7 +380,11 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
                 optimizer.zero_grad(set_to_none=True)
                 state.step += 1
                 acc = (logits.argmax(-1) == batch["y"]).float().mean().item()
-                loss_sum, acc_sum, tokens = ctx.sum([loss.item(), acc, float(count_tokens(batch))])
+                term = 1.0 if sigterm["set"] else 0.0
+                late = 1.0 if max_time and state.seconds() > float(max_time) else 0.0
+                # summed over the ranks with the metrics, so that every rank takes the same decisions
+                loss_sum, acc_sum, tokens, terms, lates = ctx.sum([loss.item(), acc, float(count_tokens(batch)),
+                                                                   term, late])
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 window.add(loss_sum / ctx.world, acc_sum / ctx.world, tokens, time.perf_counter() - t0)
@@ -396,15 +400,15 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
                 console.advance(record)
                 if eval_every > 0 and (state.step % eval_every == 0 or state.step == max_steps):
                     validate()
-                if max_time and state.seconds() > float(max_time) and state.step < max_steps:
+                if lates > 0 and state.step < max_steps:
                     console.line(f"trainer.max_time={max_time}s reached at step {state.step}: stopping early, "
                                  f"testing the best-validation weights")
                     timed_out = True
                     break
                 stop_now = stop_after is not None and state.step >= int(stop_after)
-                # on SIGTERM every rank stops at the next logged step (agreed by a sum over the ranks), so
-                # that no window of averaged metrics is cut and a resumed run logs what an uninterrupted one does
-                signalled = logged and ctx.sum([1.0 if sigterm["set"] else 0.0])[0] > 0
+                # on SIGTERM every rank stops at the next logged step, so that no window of averaged metrics
+                # is cut and a resumed run logs what an uninterrupted one does
+                signalled = logged and terms > 0
                 if (ckpt_every and state.step % ckpt_every == 0) or stop_now or signalled:
                     save()
                 if stop_now or signalled:

@@ -82,7 +82,8 @@ def _torchrun(tmp_path, run_dir, *overrides) -> subprocess.Popen:
     """``torchrun --nproc_per_node=2 experiments/train.py`` on the tiny ListOps (on the CPU unless
     ``overrides`` say otherwise), started."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep where packages are
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    # a tuning cache of its own: the runs a test compares must launch the same kernel configs
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "SPARSEFLASH_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "experiments" / "train.py"), *TINY, *SMALL_LISTOPS, f"data_root={tmp_path / 'data'}",
            f"hydra.run.dir={run_dir}", "device=cpu", *overrides]
@@ -166,6 +167,7 @@ def test_a_killed_rank_fails_the_job_and_resume_finishes_it_exactly(tmp_path, wh
         assert time.monotonic() < deadline, "no checkpoint within 180 s"
         time.sleep(0.01)
     workers = _workers(agent.pid)
+    assert len(workers) == 2, workers
     os.kill(workers[1], signal.SIGKILL)
     killed = time.monotonic()
     failed = _finish(agent, timeout=120)
@@ -198,13 +200,14 @@ def test_sigterm_stops_every_rank_at_one_checkpoint_and_resume_finishes_exactly(
         assert time.monotonic() < deadline, "not at step 20 within 180 s"
         time.sleep(0.01)
     workers = _workers(agent.pid)
+    assert len(workers) == 2, workers
     agent.send_signal(signal.SIGTERM)
     stopped = _finish(agent, timeout=120)
     for pid in workers.values():
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
+    # with checkpoint_every=0 a checkpoint exists only if the ranks saved on the signal, at a logged step
     ckpt = torch.load(cut_dir / "checkpoints" / "last.pt", weights_only=False)
     assert 20 <= ckpt["step"] < 300 and ckpt["step"] % 5 == 0, (ckpt["step"], stopped.stderr[-4000:])
-    assert len(ckpt["rng"]) == 2  # written by both ranks together
     assert max(r["step"] for r in _steps(cut_dir)) == ckpt["step"]
 
     resumed = _finish(_torchrun(tmp_path, cut_dir, *steps, "resume=true"))
@@ -215,8 +218,8 @@ def test_sigterm_stops_every_rank_at_one_checkpoint_and_resume_finishes_exactly(
 @pytest.mark.parametrize("weak", [False, True], ids=["same-global-batch", "weak"])
 def test_scaling_script_compares_one_process_with_two(tmp_path, weak):
     """scripts/ddp_scaling.py on two gloo processes: with the same global batch the curves agree to fp32
-    rounding (and it says so); with --weak the torchrun run takes twice the batch and only throughput
-    is compared. A second call into the same --out is refused rather than resumed."""
+    rounding (and it prints their differences); with --weak the torchrun run takes twice the batch and
+    only throughput is compared. A second call into the same --out is refused rather than resumed."""
     out = tmp_path / "scaling"
     cmd = [sys.executable, str(ROOT / "scripts" / "ddp_scaling.py"), "--gpus", "2", "--steps", "6", "--skip", "2",
            "--out", str(out), *(["--weak"] if weak else []), *TINY, *SMALL_LISTOPS, f"data_root={tmp_path / 'data'}",
@@ -234,6 +237,6 @@ def test_scaling_script_compares_one_process_with_two(tmp_path, weak):
         assert [int(s) for s in result["val_loss"]] == [3, 6]
         for v in result["val_loss"].values():
             assert v["ddp"] == pytest.approx(v["one"], rel=LOSS_TOL)
-    assert "throughput" in done.stdout
+    assert "throughput" in done.stdout and ("loss relative difference" in done.stdout) != weak, done.stdout
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "exists" in again.stderr

@@ -4,7 +4,8 @@ A call with ``dropout_p > 0`` draws one 64-bit seed from torch's generator of th
 (``torch.manual_seed`` makes it repeatable; every call draws a new one). Score ``(b, h, i, j)``
 (batch, query head, query, key) is dropped when a random byte is below ``t = round(p * 256)``, and a
 kept probability is scaled by ``1 / (1 - t / 256)``: the drop probability is p rounded to a multiple
-of 1/256, as FlashAttention-2 does, and the expected output is the undropped one.
+of 1/256 (FlashAttention-2 also draws a byte per score), and since the scale uses that rounded
+probability, the expected output is exactly the undropped one.
 ``o = (P * Z * scale) @ V`` with ``P`` the normalised probabilities and ``Z`` the keep mask; the
 log-sum-exp is that of the scores, without dropout.
 
@@ -46,7 +47,7 @@ class Dropout:
     @property
     def threshold(self) -> int:
         """A score is dropped when its random byte is below this."""
-        return min(round(self.p * 256), 255)
+        return threshold(self.p)
 
     @property
     def scale(self) -> float:
@@ -54,14 +55,19 @@ class Dropout:
         return 1.0 / (1.0 - self.threshold / 256)
 
 
+def threshold(p: float) -> int:
+    """The byte below which a score is dropped with probability ``p``: p * 256 rounded (half to even)."""
+    return min(round(p * 256), 255)
+
+
 def check_p(p, name: str = "dropout_p") -> float:
     """``p`` as a float in [0, 1), or a ValueError that says what ``name`` was given (also for a p > 0
     too small to drop anything once rounded to a multiple of 1/256)."""
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
         raise ValueError(f"{name} must be a number in [0, 1); got {p!r}")
-    if 0.0 < p < 1 / 512:
+    if p > 0 and threshold(p) == 0:
         raise ValueError(f"{name}={p!r} rounds to 0 at dropout's resolution of 1/256 (it would drop nothing); "
-                         f"give 0 or at least 1/512")
+                         f"give 0 or more than 1/512")
     return float(p)
 
 

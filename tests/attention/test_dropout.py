@@ -17,6 +17,7 @@ import torch
 import sparseflash
 from sparseflash import SparseAttention
 from sparseflash.attention.dropout import ROUNDS, Dropout, kept, kept_blocks, philox
+from sparseflash.attention.triton.tiles import dropout_kept_tile
 from tests.attention.test_mods import _inputs, _mask
 from tests.helpers import SeededDropout, attention_with_grads, check_backend, seeded
 
@@ -99,8 +100,8 @@ def test_dropout_matches_reference(case, backend, monkeypatch):
 @pytest.mark.parametrize("tiles", [(64, 16), (16, 64)], ids=lambda t: f"tiles{t[0]}x{t[1]}")
 @pytest.mark.parametrize("head_dim", [16, 72], ids=["d16-dkdv-and-dq-launches", "d72-fused-backward"])
 def test_kernel_tiles_other_than_the_interpreters(head_dim, tiles):
-    """The interpreter's kernels run 32x32 tiles; pinned configs run taller and wider ones, whose dropout
-    tiles reshape differently, and head_dim 72 (padded to 128) the fused backward."""
+    """The interpreter's kernels run 32x32 tiles; pinned configs run taller and wider ones (with 16-key
+    tiles, which draw score by score), and head_dim 72 (padded to 128) the fused backward."""
     from sparseflash.attention.triton import tuning
     from sparseflash.attention.triton.plan import LaunchPlan
 
@@ -221,7 +222,39 @@ def test_torch_philox_equals_triton_philox():
         assert torch.equal(got, want), f"seed {seed}: the words differ"
 
 
-@pytest.mark.parametrize("block_m,block_n", [(32, 64), (16, 32), (32, 16)], ids=["32x64", "16x32", "32x16-score-by-score"])
+@pytest.mark.parametrize("rows,cols,rows_are_queries", [
+    (16, 32, True), (128, 64, True), (32, 16, True), (32, 16, False), (64, 128, False), (16, 64, False)],
+    ids=["q16xk32", "q128xk64", "q32xk16-score-by-score", "k32xq16", "k64xq128", "k16xq64-score-by-score"])
+def test_kernel_tiles_drop_what_single_scores_drop(rows, cols, rows_are_queries):
+    """``dropout_kept_tile`` (the kernels' keep mask of a tile, queries along its rows or keys) against
+    ``kept`` (PyTorch, a draw per score), at random starts (multiples of the tile's sides)."""
+    triton = pytest.importorskip("triton")
+    tl = triton.language
+
+    @triton.jit
+    def keep_tile(SEED, OUT, drop_row, row_start, col_start, threshold, ROWS: tl.constexpr, COLS: tl.constexpr,
+                  ROWS_ARE_QUERIES: tl.constexpr):
+        keep = dropout_kept_tile(tl.load(SEED), drop_row, row_start, col_start, threshold, ROWS, COLS,
+                                 ROWS_ARE_QUERIES)
+        tl.store(OUT + tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :], keep.to(tl.int8))
+
+    device = _device()
+    heads, b, h = 3, 1, 2
+    for p in (0.1, 0.6):
+        dropout = Dropout(p, torch.randint(0, 2**62, (), device=device))
+        row_start, col_start = int(torch.randint(0, 64, ())) * rows, int(torch.randint(0, 64, ())) * cols
+        got = torch.empty(rows, cols, dtype=torch.int8, device=device)
+        keep_tile[(1,)](dropout.seed, got, b * heads + h, row_start, col_start, dropout.threshold, rows, cols,
+                        rows_are_queries)
+        row_idx = row_start + torch.arange(rows, device=device)[:, None]
+        col_idx = col_start + torch.arange(cols, device=device)[None, :]
+        q_idx, kv_idx = (row_idx, col_idx) if rows_are_queries else (col_idx, row_idx)
+        want = kept(dropout, heads, torch.tensor(b, device=device), torch.tensor(h, device=device), q_idx, kv_idx)
+        assert torch.equal(got.bool(), want), f"p={p}: {(got.bool() != want).sum().item()} scores differ"
+
+
+@pytest.mark.parametrize("block_m,block_n", [(32, 64), (16, 32), (48, 96), (32, 16), (8, 32)],
+                         ids=["32x64", "16x32", "48x96", "32x16-score-by-score", "8x32-score-by-score"])
 def test_whole_tiles_drop_what_single_scores_drop(block_m, block_n):
     """``kept_blocks`` (the blocked backend's: a draw per counter, or per score for key tiles narrower
     than 32) against ``kept`` (a draw per score) on tiles at random starts (multiples of the tile), of
@@ -264,10 +297,12 @@ def test_bad_dropout_p_is_refused(bad):
         sparseflash.attention(q, q, q, dropout_p=bad)
 
 
-def test_dropout_p_that_rounds_to_nothing_is_refused():
+@pytest.mark.parametrize("p", [1e-3, 1 / 512], ids=["1e-3", "1_512-rounds-half-to-even"])
+def test_dropout_p_that_rounds_to_nothing_is_refused(p):
     q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(ValueError, match=r"dropout_p=0.001 rounds to 0 at dropout's resolution of 1/256"):
-        sparseflash.attention(q, q, q, dropout_p=1e-3)
+    with pytest.raises(ValueError, match=rf"dropout_p={p!r} rounds to 0 at dropout's resolution of 1/256"):
+        sparseflash.attention(q, q, q, dropout_p=p)
+    assert Dropout(2 / 512, torch.zeros((), dtype=torch.int64)).threshold == 1  # the smallest that drops
 
 
 def test_module_drops_in_training_only():

@@ -247,8 +247,9 @@ def _kept_query_rows(seed, drop_row, row_start, col_start, threshold, ROWS: tl.c
 def _kept_key_rows(seed, drop_row, row_start, col_start, threshold, ROWS: tl.constexpr, COLS: tl.constexpr):
     """``dropout_kept_tile`` with the keys along the rows: of a counter's sixteen scores a thread of a
     tensor-core tile holds those of keys j and j + 8 (j + 1 and j + 16 sit with other threads), so
-    each thread draws the counter of its keys (a (ROWS/2, COLS/2) grid, two rows per counter) for the
-    four scores (j, i), (j, i + 8), (j + 8, i), (j + 8, i + 8)."""
+    each thread draws the counter of its keys (a (ROWS/2, COLS/2) grid whose rows for keys j, j + 1,
+    j + 16 and j + 17 draw the same counters) for the four scores (j, i), (j, i + 8), (j + 8, i),
+    (j + 8, i + 8)."""
     r = tl.arange(0, ROWS // 2)  # the rows j of the quads: row_start + r // 8 * 16 + r % 8
     groups = (row_start // 8 + (r >> 4) * 4 + ((r & 7) >> 1)).to(tl.uint32)[:, None]
     cols = (col_start // 2 + tl.arange(0, COLS // 2)).to(tl.uint32)[None, :]  # q' of the columns i
