@@ -78,15 +78,15 @@ def test_two_processes_train_as_one_and_resume_exactly(tmp_path):
 ON_GPUS = ["device=cuda", "attention.backend=triton"]
 
 
-def _torchrun(tmp_path, run_dir, *overrides) -> subprocess.Popen:
+def _torchrun(tmp_path, run_dir, *overrides, processes: int = 2) -> subprocess.Popen:
     """``torchrun --nproc_per_node=2 experiments/train.py`` on the tiny ListOps (on the CPU unless
-    ``overrides`` say otherwise), started."""
+    ``overrides`` say otherwise), started; ``processes=1``: plain ``python experiments/train.py``."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep where packages are
     # a tuning cache of its own: the runs a test compares must launch the same kernel configs
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "SPARSEFLASH_CACHE_DIR": str(tmp_path / "cache")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "experiments" / "train.py"), *TINY, *SMALL_LISTOPS, f"data_root={tmp_path / 'data'}",
-           f"hydra.run.dir={run_dir}", "device=cpu", *overrides]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else []
+    cmd = [sys.executable, *launcher, str(ROOT / "experiments" / "train.py"), *TINY, *SMALL_LISTOPS,
+           f"data_root={tmp_path / 'data'}", f"hydra.run.dir={run_dir}", "device=cpu", *overrides]
     return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -183,24 +183,26 @@ def test_a_killed_rank_fails_the_job_and_resume_finishes_it_exactly(tmp_path, wh
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the workers through Linux's /proc")
-def test_sigterm_stops_every_rank_at_one_checkpoint_and_resume_finishes_exactly(tmp_path):
-    """SIGTERM to torchrun (what SLURM sends on pre-emption or at the time limit): torchrun passes it to
-    its workers, which agree on a logged step, checkpoint there together and exit; resume=true then
-    completes the run with the metrics of an uninterrupted one."""
+@pytest.mark.parametrize("processes", [2, 1], ids=["torchrun-2-processes", "one-process"])
+def test_sigterm_stops_every_rank_at_one_checkpoint_and_resume_finishes_exactly(tmp_path, processes):
+    """SIGTERM (what SLURM sends on pre-emption or at the time limit, and ``timeout -s TERM`` for legs of
+    a long run) to torchrun, which passes it to its workers, or to a single process: the ranks agree on
+    a logged step, checkpoint there together and exit; resume then completes the run with the metrics
+    of an uninterrupted one."""
     steps = ["trainer.max_steps=300", "trainer.checkpoint_every=0", "trainer.eval_every=100", "trainer.batch_size=8",
              "trainer.log_every=5"]
-    straight = _finish(_torchrun(tmp_path, tmp_path / "straight", *steps))
+    straight = _finish(_torchrun(tmp_path, tmp_path / "straight", *steps, processes=processes))
     assert straight.returncode == 0, straight.stderr[-4000:]
 
     cut_dir = tmp_path / "cut"
-    agent = _torchrun(tmp_path, cut_dir, *steps)
+    agent = _torchrun(tmp_path, cut_dir, *steps, processes=processes)
     deadline = time.monotonic() + 180
     while _last_step(cut_dir) < 20:
         assert agent.poll() is None, "the run ended before the signal: give it more steps"
         assert time.monotonic() < deadline, "not at step 20 within 180 s"
         time.sleep(0.01)
-    workers = _workers(agent.pid)
-    assert len(workers) == 2, workers
+    workers = _workers(agent.pid) if processes > 1 else {0: agent.pid}
+    assert len(workers) == processes, workers
     agent.send_signal(signal.SIGTERM)
     stopped = _finish(agent, timeout=120)
     for pid in workers.values():
@@ -210,7 +212,7 @@ def test_sigterm_stops_every_rank_at_one_checkpoint_and_resume_finishes_exactly(
     assert 20 <= ckpt["step"] < 300 and ckpt["step"] % 5 == 0, (ckpt["step"], stopped.stderr[-4000:])
     assert max(r["step"] for r in _steps(cut_dir)) == ckpt["step"]
 
-    resumed = _finish(_torchrun(tmp_path, cut_dir, *steps, "resume=true"))
+    resumed = _finish(_torchrun(tmp_path, cut_dir, *steps, "resume=auto", processes=processes))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert _strip(read_jsonl(cut_dir / "metrics.jsonl")) == _strip(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
 
