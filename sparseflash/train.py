@@ -123,15 +123,33 @@ def _load_task(task_cfg: DictConfig, seed: int, ctx: Dist) -> TaskData:
     return task if ctx.main else build_task(task_cfg, seed=seed)
 
 
-def _build_model(cfg: DictConfig, task: TaskData, ctx: Dist):
-    """``(model, module)``: ``module`` on this rank's device, and ``model`` the same wrapped in DDP
-    when there are several processes (the wrapper trains; the bare module is evaluated and saved)."""
+def _compile_backend(setting) -> str | None:
+    """The torch.compile backend ``trainer.compile`` names: None for false/null, inductor for true."""
+    if setting is None or setting is False:
+        return None
+    if setting is True:
+        return "inductor"
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if not isinstance(setting, str) or setting not in known:
+        raise ValueError(f"trainer.compile must be false, true (inductor) or one of {known}; got {setting!r}")
+    return setting
+
+
+def _build_model(cfg: DictConfig, task: TaskData, ctx: Dist, compile_backend: str | None):
+    """``(model, module)``: ``module`` on this rank's device, and ``model`` what trains: the same, wrapped
+    in DDP when there are several processes and compiled by ``compile_backend`` when given (the bare
+    module is evaluated and saved)."""
     module = build_model(cfg.model, cfg.attention, vocab_size=task.vocab_size, max_len=task.max_len,
                          num_classes=task.num_classes, pair=task.pair).to(ctx.device)
-    if not ctx.enabled:
-        return module, module
-    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids), module
+    model = module
+    if ctx.enabled:
+        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(module, device_ids=ids)
+    if compile_backend is not None:
+        # the padded length changes from batch to batch: Dynamo compiles a second graph with a symbolic
+        # length at the second length it sees (and one more for the model's pad-to-multiple branch)
+        model = torch.compile(model, backend=compile_backend)
+    return model, module
 
 
 def _attention_summary(cfg: DictConfig, task: TaskData) -> dict:
@@ -333,6 +351,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
 def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
     state = TrainState()  # its clock starts now: a run's time counts its set-up
     tr, device = cfg.trainer, ctx.device
+    compile_backend = _compile_backend(tr.get("compile"))  # a bad value fails before the data is loaded
     import_patterns(cfg.get("import_patterns") or [])
     run_dir = Path(ctx.broadcast(str(_run_dir(cfg, run_dir))))
     resume = cfg.get("resume", False)
@@ -342,7 +361,7 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
     seed = int(cfg.seed)
     seed_everything(seed + ctx.rank)
     task = _load_task(cfg.task, seed, ctx)
-    model, module = _build_model(cfg, task, ctx)
+    model, module = _build_model(cfg, task, ctx, compile_backend)
     optimizer, scheduler = _optimizer(module, tr)
     stream = BatchStream(len(task.train), int(tr.batch_size), seed, ctx.rank, ctx.world)
     parts = {"module": module, "optimizer": optimizer, "scheduler": scheduler, "stream": stream}

@@ -104,6 +104,29 @@ def test_metrics_jsonl_config_and_best_checkpoint(tmp_path):
     assert again["acc"] == pytest.approx(results["test_acc"])
 
 
+@pytest.mark.parametrize("attention_backend", ["blocked", "triton"])
+def test_compiled_training_equals_eager(tmp_path, attention_backend):
+    """trainer.compile=aot_eager (torch.compile with the eager ops: what Dynamo captures, run as
+    captured) trains as the eager model does, over batches of several padded lengths: a graph, one
+    with a symbolic length, one for the other side of the model's pad-to-multiple branch, then none."""
+    common = ["trainer.max_steps=5", "trainer.eval_every=5", "model.dropout=0.0", f"attention.backend={attention_backend}"]
+    eager = run(make_cfg(tmp_path, *common), run_dir=tmp_path / "eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = run(make_cfg(tmp_path, *common, "trainer.compile=aot_eager"), run_dir=tmp_path / "compiled")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
+    losses = [[r["loss"] for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "step_time" in r] for d in ("eager", "compiled")]
+    assert len(losses[0]) == 5 and losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert compiled["test_acc"] == eager["test_acc"]
+
+
+@pytest.mark.parametrize("bad", ["turbo", 3])
+def test_bad_compile_setting_is_refused_before_the_data(tmp_path, bad):
+    with pytest.raises(ValueError, match=r"trainer.compile must be false, true \(inductor\) or one of"):
+        run(make_cfg(tmp_path, f"trainer.compile={bad}"), run_dir=tmp_path / "run")
+    assert not (tmp_path / "data").exists()
+
+
 def test_resume_is_exact(tmp_path):
     common = ["trainer.max_steps=8", "trainer.eval_every=3", "trainer.checkpoint_every=5", "model.dropout=0.2",
               "model.attention_dropout=0.2", "trainer.schedule=linear", "trainer.warmup_steps=3"]
