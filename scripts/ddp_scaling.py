@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "experiments" / "train.py"
 # Logged every step, evaluated rarely: a curve to compare and step times that evaluation doesn't break.
@@ -95,8 +97,6 @@ def compare(one_dir: Path, ddp_dir: Path, skip: int, curves: bool = True) -> dic
 
 def _batch_size(run_dir: Path) -> int:
     """The global batch a finished run trained with (from the config Hydra saved in its run dir)."""
-    import yaml
-
     return int(yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["trainer"]["batch_size"])
 
 
@@ -106,7 +106,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=300, help="training steps of each run")
     ap.add_argument("--skip", type=int, default=20, help="first steps left out of the timing (compilation)")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "ddp_scaling")
-    ap.add_argument("--weak", action="store_true", help="give each GPU the one-GPU run's batch (compare throughput only)")
+    ap.add_argument("--weak", action="store_true",
+                    help="give each GPU the one-GPU run's batch (compare throughput only)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of experiments/train.py")
     args = ap.parse_args(argv)
     if args.gpus < 2:
@@ -130,7 +131,8 @@ def main(argv=None) -> None:
     if not args.weak:
         print(f"{result['steps']} steps, 1 GPU vs {args.gpus}: loss relative difference median "
               f"{result['loss_rel_diff_median']:.2e}, max {result['loss_rel_diff_max']:.2e} "
-              f"(step {result['loss_rel_diff_max_step']}), first 10 steps max {result['loss_rel_diff_first_10_max']:.2e}")
+              f"(step {result['loss_rel_diff_max_step']}), "
+              f"first 10 steps max {result['loss_rel_diff_first_10_max']:.2e}")
         for step, v in result["val_loss"].items():
             print(f"  val_loss at step {step}: {v['one']:.4f} (1 GPU) {v['ddp']:.4f} ({args.gpus} GPUs)")
     t, b = result["step_time_ms"], result["global_batch"]

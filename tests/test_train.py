@@ -109,13 +109,15 @@ def test_compiled_training_equals_eager(tmp_path, attention_backend):
     """trainer.compile=aot_eager (torch.compile with the eager ops: what Dynamo captures, run as
     captured) trains as the eager model does, over batches of several padded lengths: a graph, one
     with a symbolic length, one for the other side of the model's pad-to-multiple branch, then none."""
-    common = ["trainer.max_steps=5", "trainer.eval_every=5", "model.dropout=0.0", f"attention.backend={attention_backend}"]
+    common = ["trainer.max_steps=5", "trainer.eval_every=5", "model.dropout=0.0",
+              f"attention.backend={attention_backend}"]
     eager = run(make_cfg(tmp_path, *common), run_dir=tmp_path / "eager")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = run(make_cfg(tmp_path, *common, "trainer.compile=aot_eager"), run_dir=tmp_path / "compiled")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
-    losses = [[r["loss"] for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "step_time" in r] for d in ("eager", "compiled")]
+    losses = [[r["loss"] for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "step_time" in r]
+              for d in ("eager", "compiled")]
     assert len(losses[0]) == 5 and losses[1] == pytest.approx(losses[0], rel=1e-5)
     assert compiled["test_acc"] == eager["test_acc"]
 

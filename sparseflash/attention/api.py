@@ -178,10 +178,10 @@ def attention(
             ``>= key_lengths[b]`` are masked (checked on the CPU; not on a GPU, where it would sync).
         scale: softmax scale, default ``1/sqrt(D)``.
         dropout_p: drop each normalised probability with this chance (in [0, 1), rounded to a multiple
-            of 1/256, so 0 or more than 1/512) and scale the kept ones by the inverse of the chance of being kept, in the
-            kernels, with a seed drawn from torch's generator of the inputs' device (``torch.manual_seed``
-            repeats it; ``sparseflash.attention.dropout`` states the pattern, which every backend
-            shares). Always applied when given: pass 0 outside training.
+            of 1/256, so 0 or more than 1/512) and scale the kept ones by the inverse of the chance of
+            being kept, in the kernels, with a seed drawn from torch's generator of the inputs' device
+            (``torch.manual_seed`` repeats it; ``sparseflash.attention.dropout`` states the pattern,
+            which every backend shares). Always applied when given: pass 0 outside training.
         backend: ``auto`` (``triton`` on CUDA, ``blocked`` elsewhere), ``triton``, ``blocked``
             or ``reference``.
         return_lse: also return the log-sum-exp of the kept scores.
