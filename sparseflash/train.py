@@ -18,7 +18,8 @@
   batch is split across ranks (``sparseflash.data.stream``), evaluation is sharded and summed;
   only rank 0 logs and writes.
 - Logged per step: loss, acc, lr, step_time, tokens_per_s, peak_mem_mb; per evaluation: val_loss,
-  val_acc; at the end: best_val_acc, test_acc, total_time, the mask's density and picture.
+  val_acc; with both, ``elapsed`` (the run's seconds so far, summed over resumed legs); at the end:
+  best_val_acc, test_acc, total_time, the mask's density and picture.
   ``metrics.jsonl``, ``config.yaml`` and ``results.json`` go into the run directory. Console
   lines go to the ``sparseflash.train`` logger, which Hydra's job logging also writes into the
   run's ``train.log``.
@@ -329,7 +330,8 @@ def _validate(score: Callable, module, dataset, state: TrainState, logger: RunLo
     """Score the validation set, keep the weights if they are the best so far, log both."""
     val = score(module, dataset)
     improved = state.keep_if_best(val["acc"], module)
-    logger.log({"val_loss": val["loss"], "val_acc": val["acc"], "best_val_acc": state.best_val}, step=state.step)
+    logger.log({"val_loss": val["loss"], "val_acc": val["acc"], "best_val_acc": state.best_val,
+                "elapsed": state.seconds()}, step=state.step)
     console.step(state.step, f"val_loss {val['loss']:.4f} | val_acc {val['acc']:.3f}{' (best)' if improved else ''}")
 
 
@@ -411,7 +413,7 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
                 logged = state.step % log_every == 0 or state.step == max_steps
                 if logged:
                     record = window.record(scheduler.get_last_lr()[0], device, stream.epoch)
-                    logger.log(record, step=state.step)
+                    logger.log({**record, "elapsed": state.seconds()}, step=state.step)
                     if state.step % print_every == 0:
                         console.step(state.step, f"loss {record['loss']:.4f} | acc {record['acc']:.3f} | "
                                                  f"lr {record['lr']:.2e} | {record['step_time'] * 1e3:.0f} ms/step | "

@@ -23,7 +23,7 @@ from tests.test_train import ROOT, SMALL_LISTOPS, TINY, _wandb_history, make_cfg
 # fp32 on CPU: two processes differ from one only in the order of sums (each rank pads its half
 # batch to its own longest example; the gradients are averaged by an all-reduce). Seen: 5e-8 to 1e-7.
 LOSS_TOL = 1e-6
-VOLATILE = {"time", "step_time", "tokens_per_s", "peak_mem_mb", "total_time"}
+VOLATILE = {"time", "elapsed", "step_time", "tokens_per_s", "peak_mem_mb", "total_time"}
 COMMON = ["trainer.max_steps=4", "trainer.eval_every=2", "trainer.checkpoint_every=2", "trainer.batch_size=8",
           "trainer.schedule=linear", "trainer.lr=3e-3", "device=cpu"]
 

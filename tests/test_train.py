@@ -138,9 +138,11 @@ def test_resume_is_exact(tmp_path):
     resumed = run(make_cfg(tmp_path, *common, "resume=true"), run_dir=tmp_path / "b")
     for key in ("test_acc", "test_loss", "best_val_acc", "best_step", "steps"):
         assert resumed[key] == straight[key], key
-    volatile = {"time", "step_time", "tokens_per_s", "peak_mem_mb", "total_time"}
+    volatile = {"time", "elapsed", "step_time", "tokens_per_s", "peak_mem_mb", "total_time"}
     strip = lambda rs: [{k: v for k, v in r.items() if k not in volatile} for r in rs]  # noqa: E731
     assert strip(read_jsonl(tmp_path / "b" / "metrics.jsonl")) == strip(read_jsonl(tmp_path / "a" / "metrics.jsonl"))
+    elapsed = [r["elapsed"] for r in read_jsonl(tmp_path / "b" / "metrics.jsonl") if "elapsed" in r]
+    assert len(elapsed) == 8 + 3 and elapsed == sorted(elapsed)  # the resumed leg counts on from the first one
     a = torch.load(tmp_path / "a" / "checkpoints" / "last.pt", weights_only=False)
     b = torch.load(tmp_path / "b" / "checkpoints" / "last.pt", weights_only=False)
     assert a["step"] == b["step"] == 8
@@ -284,7 +286,7 @@ def test_resumed_run_logs_each_step_once(tmp_path):
     ckpt.write_bytes(at_step_4)  # as if killed at step 6 before its checkpoint: steps 5, 6 are logged past step 4
     assert [r["step"] for r in read_jsonl(tmp_path / "b" / "metrics.jsonl") if "step_time" in r] == [1, 2, 3, 4, 5, 6]
     run(make_cfg(tmp_path, *common, "resume=true"), run_dir=tmp_path / "b")
-    volatile = {"time", "step_time", "tokens_per_s", "peak_mem_mb", "total_time"}
+    volatile = {"time", "elapsed", "step_time", "tokens_per_s", "peak_mem_mb", "total_time"}
     strip = lambda rs: [{k: v for k, v in r.items() if k not in volatile} for r in rs]  # noqa: E731
     assert strip(read_jsonl(tmp_path / "b" / "metrics.jsonl")) == strip(read_jsonl(tmp_path / "a" / "metrics.jsonl"))
 

@@ -33,6 +33,8 @@ BACKENDS: dict[str, Backend] = {
     "triton": _triton_attention,
     "reference": reference_attention,
     "blocked": blocked_attention,
+    # a plain Transformer's attention (materialised scores in the inputs' dtype): the speed baseline
+    "standard": functools.partial(reference_attention, upcast=False),
 }
 
 
@@ -182,8 +184,9 @@ def attention(
             being kept, in the kernels, with a seed drawn from torch's generator of the inputs' device
             (``torch.manual_seed`` repeats it; ``sparseflash.attention.dropout`` states the pattern,
             which every backend shares). Always applied when given: pass 0 outside training.
-        backend: ``auto`` (``triton`` on CUDA, ``blocked`` elsewhere), ``triton``, ``blocked``
-            or ``reference``.
+        backend: ``auto`` (``triton`` on CUDA, ``blocked`` elsewhere), ``triton``, ``blocked``,
+            ``reference`` or ``standard`` (what a plain Transformer computes: the whole score matrix
+            in the inputs' dtype, the softmax in fp32; the baseline the kernels are timed against).
         return_lse: also return the log-sum-exp of the kept scores.
 
     Returns:
@@ -211,7 +214,7 @@ def attention(
         mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1], k.shape[1], q.device)
         if mask.num_batches not in (1, q.shape[0]):
             raise ValueError(f"mask has {mask.num_batches} batch elements; expected 1 or B={q.shape[0]}")
-    if score_mod is not None and name == "reference":  # the others trace it themselves
+    if score_mod is not None and name in ("reference", "standard"):  # the others trace it themselves
         trace(score_mod, "score_mod")  # a function the kernels cannot run fails on every backend
     seed = draw_seed(q.device) if dropout_p > 0 else None
     if as_op:

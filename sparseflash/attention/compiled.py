@@ -15,11 +15,12 @@ so a new BlockMask of the same shapes and functions, or a score function whose t
 new input to the same compiled graph, not a recompile, and a captured tensor that requires grad gets
 its gradient. Inside the ops the backends run as they do eagerly, on a mask rebuilt from its parts
 once per layout tensor (a mask reused across steps is rebuilt once, and keeps its launch plans).
-The ``reference`` backend's backward is ``torch.func.vjp`` of its forward.
+The ``reference`` and ``standard`` backends' backward is ``torch.func.vjp`` of their forward.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -52,16 +53,17 @@ def _triton_backward(q, k, v, o, lse, do, dlse, mask, key_lengths, scale, score_
     return triton_backward(q, k, v, o, lse, do, dlse, plan, key_lengths, score_graph, dropout)
 
 
-def _reference_forward(q, k, v, mask, key_lengths, scale, score_graph, dropout):
+def _reference_forward(q, k, v, mask, key_lengths, scale, score_graph, dropout, *, upcast=True):
     return reference_attention(q, k, v, mask, key_lengths, scale, score_graph.evaluate if score_graph else None,
-                               dropout)
+                               dropout, upcast=upcast)
 
 
-def _reference_backward(q, k, v, o, lse, do, dlse, mask, key_lengths, scale, score_graph, dropout):
+def _reference_backward(q, k, v, o, lse, do, dlse, mask, key_lengths, scale, score_graph, dropout, *, upcast=True):
     """The reference's gradients by ``torch.func.vjp`` (autograd records nothing inside a custom op)."""
     def run(q, k, v, *trained):
         return reference_attention(q, k, v, mask, key_lengths, scale,
-                                   score_graph.with_trained(trained) if score_graph else None, dropout)
+                                   score_graph.with_trained(trained) if score_graph else None, dropout,
+                                   upcast=upcast)
 
     trained = [t.detach() for t in score_graph.trained] if score_graph else []
     _, vjp = torch.func.vjp(run, q, k, v, *trained)
@@ -69,8 +71,10 @@ def _reference_backward(q, k, v, o, lse, do, dlse, mask, key_lengths, scale, sco
     return dq, dk, dv, grads
 
 
-FORWARD = {"triton": _triton_forward, "blocked": blocked_forward, "reference": _reference_forward}
-BACKWARD = {"triton": _triton_backward, "blocked": blocked_backward, "reference": _reference_backward}
+FORWARD = {"triton": _triton_forward, "blocked": blocked_forward, "reference": _reference_forward,
+           "standard": functools.partial(_reference_forward, upcast=False)}
+BACKWARD = {"triton": _triton_backward, "blocked": blocked_backward, "reference": _reference_backward,
+            "standard": functools.partial(_reference_backward, upcast=False)}
 
 
 def _parts(mask: BlockMask | MaskSpec) -> tuple[list, list, str]:
@@ -106,7 +110,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_te
                       score_captures: list[torch.Tensor], scale: float, mask_spec: str, score_key: str,
                       backend: str, dropout_p: float, dropout_seed: Optional[torch.Tensor]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o, lse)`` of ``backend`` ("triton", "blocked" or "reference")."""
+    """``(o, lse)`` of ``backend`` (a key of ``FORWARD``)."""
     mask = _mask(mask_tensors, mask_captures, mask_spec, q, k)
     o, lse = FORWARD[backend](q, k, v, mask, key_lengths, scale, _score_graph(score_captures, score_key),
                               _dropout(dropout_p, dropout_seed))
