@@ -41,13 +41,16 @@ LAYOUT = """<task.data_dir>/
   basic_val.tsv     e.g. "( ( ( [MAX 2 ) 9 ) ] )<TAB>9"
   basic_test.tsv    (LRA's release: lra_release/listops-1000/)"""
 
-# single-character codes for a vectorised tokenizer
-_CODES = {"[MIN": "a", "[MAX": "b", "[MED": "c", "[SM": "d", END: "e"}
-_TABLE = np.full(256, UNK, dtype=np.int8)
-for _tok, _ch in _CODES.items():
-    _TABLE[ord(_ch)] = VOCAB[_tok]
-for _d in range(10):
-    _TABLE[ord(str(_d))] = VOCAB[str(_d)]
+# The tokeniser: each operator becomes the byte of its id, then one bytes.translate maps every other
+# byte to its id and deletes LRA's parentheses and the spaces; any other character becomes UNK.
+_OPERATOR_BYTES = {op.encode(): bytes([VOCAB[op]]) for op in OPERATORS}
+_IDS = bytearray([UNK]) * 256
+for _tok in (END, *map(str, range(10))):
+    _IDS[ord(_tok)] = VOCAB[_tok]
+for _op in OPERATORS:
+    _IDS[VOCAB[_op]] = VOCAB[_op]
+_IDS = bytes(_IDS)
+_DROPPED = b"() \t\r"
 
 
 class _TooLong(Exception):
@@ -137,30 +140,34 @@ def write_tsv(rows, path: str | os.PathLike) -> None:
     os.replace(tmp, path)
 
 
+def _ids(expression: bytes) -> np.ndarray:
+    for op, code in _OPERATOR_BYTES.items():
+        expression = expression.replace(op, code)
+    return np.frombuffer(expression.translate(_IDS, _DROPPED), dtype=np.int8)
+
+
 def tokenize(text: str) -> np.ndarray:
     """``( ( [MAX 2 ) 9 ) ] )`` -> ids of ``[MAX 2 9 ]`` (parentheses dropped), int8."""
-    s = text.replace("(", "").replace(")", "")
-    for tok, ch in _CODES.items():
-        s = s.replace(tok, ch)
-    s = s.replace(" ", "").replace("\t", "")
-    return _TABLE[np.frombuffer(s.encode("ascii", "replace"), dtype=np.uint8)]
+    return _ids(text.encode("ascii", "replace"))
 
 
 def load_tsv(path: str | os.PathLike, max_len: int | None = None) -> SequenceDataset:
-    """Read one LRA ListOps file (header ``Source<TAB>Target``) into token sequences."""
-    csv.field_size_limit(1 << 30)
+    """Read one LRA ListOps file (header ``Source<TAB>Target``, then ``expression<TAB>value`` a line;
+    lines without a tab are skipped) into token sequences."""
+    lines = Path(path).read_bytes().split(b"\n")
+    header = lines[0].decode("utf-8", "replace").rstrip("\r").split("\t")
+    if [h.strip() for h in header[:2]] != ["Source", "Target"]:
+        raise ValueError(f"{path}: expected the header 'Source<TAB>Target'; got {header!r}")
     seqs, labels = [], []
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.reader(f, delimiter="\t")
-        header = next(reader, None)
-        if header is None or [h.strip() for h in header[:2]] != ["Source", "Target"]:
-            raise ValueError(f"{path}: expected the header 'Source<TAB>Target'; got {header!r}")
-        for row in reader:
-            if len(row) < 2:
-                continue
-            tokens = tokenize(row[0])
-            seqs.append(tokens[:max_len] if max_len else tokens)
-            labels.append(int(row[1]))
+    for number, line in enumerate(lines[1:], start=2):
+        expression, tab, value = line.partition(b"\t")
+        if not tab:
+            continue
+        if not value.strip().isdigit():
+            raise ValueError(f"{path}, line {number}: expected the value (0-9) after the tab; got {value[:20]!r}")
+        tokens = _ids(expression)
+        seqs.append(tokens[:max_len] if max_len else tokens)
+        labels.append(int(value))
     return SequenceDataset(seqs, labels)
 
 

@@ -61,6 +61,37 @@ def test_loader_reads_lra_tsv(tmp_path):
     assert all(_evaluate(s) == y for s, y in zip(ds.seqs, ds.labels))
 
 
+def _slow_tokens(expression: str) -> list[int]:
+    """The obvious tokeniser, to check the fast one against (an unknown token: UNK per character)."""
+    return [i for t in expression.split() if t not in ("(", ")")
+            for i in ([listops.VOCAB[t]] if t in listops.VOCAB else [listops.UNK] * len(t))]
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"], ids=["lf", "crlf"])
+def test_loader_tokenises_as_the_obvious_tokeniser(tmp_path, newline):
+    rows = listops.generate(60, min_length=5, max_length=300, max_depth=6, max_args=6, seed=5, workers=1)
+    rows += [("( ( [MAX 7 ) ( ( [XY 3 ) ] ) ] )", 7), ("[SM 1 2 ]", 3)]  # an unknown token; no brackets
+    lines = ["Source\tTarget"] + [f"{text}\t{value}" for text, value in rows[:30]] + ["", "no tab here"]
+    lines += [f"{text}\t{value}" for text, value in rows[30:]]
+    path = tmp_path / "basic_test.tsv"
+    path.write_bytes(newline.join(lines).encode())  # no newline after the last line
+    ds = listops.load_tsv(path)
+    assert list(ds.labels) == [value for _, value in rows]
+    assert [list(s) for s in ds.seqs] == [_slow_tokens(text) for text, _ in rows]
+    assert all(s.dtype == np.int8 for s in ds.seqs)
+    short = listops.load_tsv(path, max_len=10)
+    assert [list(s) for s in short.seqs] == [_slow_tokens(text)[:10] for text, _ in rows]
+
+
+def test_loader_refuses_a_file_without_the_header_or_a_value(tmp_path):
+    (tmp_path / "x.tsv").write_text("[MAX 1 2 ]\t2\n")
+    with pytest.raises(ValueError, match="expected the header 'Source<TAB>Target'"):
+        listops.load_tsv(tmp_path / "x.tsv")
+    (tmp_path / "y.tsv").write_text("Source\tTarget\n[MAX 1 2 ]\t2\n[MIN 1 2 ]\tone\n")
+    with pytest.raises(ValueError, match="line 3: expected the value"):
+        listops.load_tsv(tmp_path / "y.tsv")
+
+
 def test_generated_files_are_cached(tmp_path):
     from omegaconf import OmegaConf
 
