@@ -4,13 +4,13 @@ a plain PyTorch model computes it), at the task's length and at longer ones, on 
 
 A step is what ``experiments/train.py`` does: forward under bf16 autocast, cross-entropy, backward,
 AdamW. Inputs are random tokens of exactly the given length (no padding), so every configuration
-does the same work. Attention dropout is off for every row, so that the standard backend, whose
-dropout draws the kernels' counter-based mask with PyTorch ops, is not slowed by it; the model's
-other dropout stays. The configurations take turns (``--rounds``), each timing ``--steps`` steps by
+does the same work. Attention dropout is off (the model's other dropout stays), so that the standard
+backend, whose dropout draws the kernels' counter-based mask with PyTorch ops, is not slowed by it;
+``--attention-dropout P`` adds each pattern on the kernels with it, to show its cost. The configurations take turns (``--rounds``), each timing ``--steps`` steps by
 CUDA events after warm-up; a configuration that runs out of memory is reported as ``OOM``.
 
     python scripts/lra_step_time.py experiment=lra/listops --lengths 2000 4096 --batches 32 8 \\
-        --patterns dense butterfly bigbird --out step_time.jsonl
+        --patterns dense butterfly bigbird --attention-dropout 0.1 --out step_time.jsonl
 
 Prints a Markdown table: median ms per step (p20-p80) and the speed-up over the standard
 Transformer at the same length and batch.
@@ -33,22 +33,25 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 STANDARD = ("dense", "standard")
 
 
-def _model(overrides: list[str], pattern: str, backend: str, length: int, device) -> torch.nn.Module:
+def _model(overrides: list[str], pattern: str, backend: str, attention_dropout: float, length: int,
+           device) -> torch.nn.Module:
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"attention={pattern}", f"attention.backend={backend}",
-                                          "model.attention_dropout=0"])
+                                          f"model.attention_dropout={attention_dropout}"])
     model = build_model(cfg.model, cfg.attention, vocab_size=256, max_len=length, num_classes=10).to(device)
     return model.train()
 
 
 class Config:
-    """One (pattern, backend) model at one length and batch, with its optimizer and step times."""
+    """One (pattern, backend, attention dropout) model at one length and batch, with its optimizer and
+    step times."""
 
-    def __init__(self, overrides, pattern, backend, length, batch, device):
-        self.key = {"pattern": pattern, "backend": backend, "length": length, "batch": batch}
+    def __init__(self, overrides, pattern, backend, attention_dropout, length, batch, device):
+        self.key = {"pattern": pattern, "backend": backend, "attention_dropout": attention_dropout,
+                    "length": length, "batch": batch}
         self.times: list[float] = []
         self.oom = False
-        self.model = _model(overrides, pattern, backend, length, device)
+        self.model = _model(overrides, pattern, backend, attention_dropout, length, device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.batch = {"x": torch.randint(1, 256, (batch, length), device=device),
                       "lengths": torch.full((batch,), length, device=device),
@@ -91,8 +94,8 @@ class Config:
 
 
 def _table(results: list[dict]) -> str:
-    lines = ["| length | batch | attention | backend | ms per step (p20-p80) | speed-up over standard |",
-             "|---:|---:|---|---|---:|---:|"]
+    lines = ["| length | batch | attention | backend | attention dropout | ms per step (p20-p80) "
+             "| speed-up over standard |", "|---:|---:|---|---|---:|---:|---:|"]
     for r in results:
         base = next(b for b in results if (b["pattern"], b["backend"]) == STANDARD
                     and (b["length"], b["batch"]) == (r["length"], r["batch"]))
@@ -101,7 +104,8 @@ def _table(results: list[dict]) -> str:
         else:
             time = f"{r['median_ms']:.1f} ({r['p20_ms']:.1f}-{r['p80_ms']:.1f})"
             speedup = f"{base['median_ms'] / r['median_ms']:.2f}x" if base["median_ms"] else "standard OOM"
-        lines.append(f"| {r['length']} | {r['batch']} | {r['pattern']} | {r['backend']} | {time} | {speedup} |")
+        lines.append(f"| {r['length']} | {r['batch']} | {r['pattern']} | {r['backend']} | {r['attention_dropout']} "
+                     f"| {time} | {speedup} |")
     return "\n".join(lines)
 
 
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batches", type=int, nargs="+", required=True, help="one batch size per length")
     parser.add_argument("--patterns", nargs="+", default=["dense", "butterfly", "bigbird"],
                         help="attention configs timed on the triton backend (configs/attention)")
+    parser.add_argument("--attention-dropout", type=float, default=0.0,
+                        help="also time each pattern on the kernels with this attention dropout")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each round's")
@@ -123,9 +129,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not torch.cuda.is_available():
         parser.error("step times are measured on a CUDA GPU; none is available")
     device = torch.device("cuda")
-    configs = [Config(args.overrides, pattern, backend, length, batch, device)
-               for length, batch in zip(args.lengths, args.batches)
-               for pattern, backend in [STANDARD, *((p, "triton") for p in args.patterns)]]
+    dropouts = [0.0] + ([args.attention_dropout] if args.attention_dropout > 0 else [])
+    rows = [(*STANDARD, 0.0), *((p, "triton", d) for d in dropouts for p in args.patterns)]
+    configs = [Config(args.overrides, pattern, backend, dropout, length, batch, device)
+               for length, batch in zip(args.lengths, args.batches) for pattern, backend, dropout in rows]
     for _ in range(args.rounds):
         for config in configs:
             config.time(args.steps, args.warmup)

@@ -43,10 +43,11 @@ def _mean_std(values: list[float]) -> str:
 
 
 def _speedups(step_time: list[dict], pattern: str) -> dict[int, float | None]:
-    """Per length: the standard Transformer's step time over this pattern's on the kernels."""
+    """Per length: the standard Transformer's step time over this pattern's on the kernels (both
+    without attention dropout)."""
     out = {}
     for r in step_time:
-        if (r["pattern"], r["backend"]) != (pattern, "triton"):
+        if (r["pattern"], r["backend"]) != (pattern, "triton") or r.get("attention_dropout", 0.0):
             continue
         base = next(b for b in step_time if (b["pattern"], b["backend"]) == ("dense", "standard")
                     and (b["length"], b["batch"]) == (r["length"], r["batch"]))
