@@ -2,30 +2,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from sparseflash.data import MissingDataError, build_task, collate, pathfinder, seeded_split
-from tests.data.fixtures import write_aan, write_cifar, write_imdb, write_pathfinder_release
-
-
-def test_pathfinder_generator_seeded_and_cached(tmp_path):
-    a, ya = pathfinder.generate(6, seed=1, workers=1)
-    b, yb = pathfinder.generate(6, seed=1, workers=1)
-    assert a.shape == (6, 32, 32) and a.dtype == np.uint8
-    assert (a == b).all() and (ya == yb).all()
-    assert (a.reshape(6, -1).max(1) == 255).all()  # markers are drawn at full intensity
-    big, _ = pathfinder.generate(2, size=64, seed=0, workers=1)
-    assert big.shape == (2, 64, 64)
-    imgs, labels = pathfinder.load_generated(tmp_path, 8, 32, 0, {})
-    cached = list(tmp_path.glob("generated_32_8_seed0.npz"))
-    assert cached and (pathfinder.load_generated(tmp_path, 8, 32, 0, {})[0] == imgs).all()
-
-
-def test_pathfinder_release_skips_unreadable(tmp_path):
-    write_pathfinder_release(tmp_path, n=20, bad=2)
-    cfg = OmegaConf.create({"name": "pathfinder", "data_dir": str(tmp_path), "generate": False})
-    with pytest.warns(UserWarning, match="skipped 2 unreadable"):
-        task = build_task(cfg)
-    assert len(task.train) + len(task.val) + len(task.test) == 18
-    assert task.max_len == 1024 and task.num_classes == 2
+from sparseflash.data import MissingDataError, build_task, collate, seeded_split
+from tests.data.fixtures import write_aan, write_cifar, write_imdb
 
 
 def test_cifar_grey_sequences(tmp_path):
