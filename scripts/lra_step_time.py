@@ -6,8 +6,9 @@ A step is what ``experiments/train.py`` does: forward under bf16 autocast, cross
 AdamW. Inputs are random tokens of exactly the given length (no padding), so every configuration
 does the same work. Attention dropout is off (the model's other dropout stays), so that the standard
 backend, whose dropout draws the kernels' counter-based mask with PyTorch ops, is not slowed by it;
-``--attention-dropout P`` adds each pattern on the kernels with it, to show its cost. The configurations take turns (``--rounds``), each timing ``--steps`` steps by
-CUDA events after warm-up; a configuration that runs out of memory is reported as ``OOM``.
+``--attention-dropout P`` adds each pattern on the kernels with it, to show its cost. The
+configurations take turns (``--rounds``), each timing ``--steps`` steps by CUDA events after
+warm-up; a configuration that runs out of memory is reported as ``OOM``.
 
     python scripts/lra_step_time.py experiment=lra/listops --lengths 2000 4096 --batches 32 8 \\
         --patterns dense butterfly bigbird --attention-dropout 0.1 --out step_time.jsonl
