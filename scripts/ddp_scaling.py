@@ -31,6 +31,8 @@ from pathlib import Path
 
 import yaml
 
+from sparseflash.logging import read_jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "experiments" / "train.py"
 # Logged every step, evaluated rarely: a curve to compare and step times that evaluation doesn't break.
@@ -59,8 +61,7 @@ def _train(cmd: list[str], run_dir: Path, log: Path) -> None:
 def _records(run_dir: Path) -> tuple[dict[int, dict], dict[int, float]]:
     """(training records by step, validation loss by step) of a run's metrics.jsonl."""
     steps, vals = {}, {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
+    for r in read_jsonl(run_dir / "metrics.jsonl"):
         if "step_time" in r:
             steps[r["step"]] = r
         if "val_loss" in r:

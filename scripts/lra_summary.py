@@ -19,9 +19,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from sparseflash.logging import read_jsonl
 
 
 def load_run(run_dir: Path) -> dict:

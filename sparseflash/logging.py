@@ -56,6 +56,11 @@ class JsonlSink:
         self._file.close()
 
 
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The records of a ``JsonlSink`` file (``metrics.jsonl``), in order."""
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def drop_records_after(path: str | os.PathLike, step: int) -> int:
     """Remove the records of ``path`` (a ``JsonlSink`` file) whose step is above ``step``; returns
     how many. A run resumed from a checkpoint of step ``step`` logs the later steps again, and the

@@ -9,6 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from sparseflash.logging import read_jsonl
 from sparseflash.train import lr_factor, run
 from tests.data.fixtures import write_aan, write_cifar, write_imdb, write_listops, write_pathfinder_release
 
@@ -26,10 +27,6 @@ def make_cfg(tmp_path, *overrides):
         if not any(o.startswith("task=") for o in overrides):
             overrides = (*SMALL_LISTOPS, *overrides)
         return compose("train", overrides=[*TINY, f"data_root={tmp_path / 'data'}", *overrides])
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
 def _task_overrides(name, tmp_path):
