@@ -74,6 +74,13 @@ def test_lra_listops_matches_lra_config():
     assert cfg.task.max_len == 2000 and cfg.trainer.schedule == "rsqrt"
 
 
+def test_lra_pathfinder_matches_the_nystromformer_config():
+    cfg = compose_train(["experiment=lra/pathfinder"])
+    assert (cfg.trainer.max_steps, cfg.trainer.batch_size, cfg.trainer.warmup_steps, cfg.trainer.lr) == (62400, 256, 312, 1e-4)
+    assert (cfg.model.dim, cfg.model.depth, cfg.model.heads, cfg.model.mlp_dim) == (64, 2, 2, 128)
+    assert (cfg.model.positions, cfg.model.pool, cfg.trainer.schedule) == ("learned", "mean", "linear")
+
+
 # LRA's attention_dropout_rate per task: the model's default 0.1 where the task's config sets none
 # (lra_benchmarks/models/transformer/transformer.py), 0.2 for CIFAR-10 and 0.1 for Pathfinder-32.
 LRA_ATTENTION_DROPOUT = {"lra/listops": 0.1, "lra/text": 0.1, "lra/retrieval": 0.1, "lra/image": 0.2,

@@ -287,7 +287,7 @@ def generate(num: int, size: int = 32, seed: int = 0, workers: int | None = None
     """``num`` images ``uint8 (num, size, size)`` and labels, seeded (independent of ``workers``)."""
     params = {**DEFAULTS, **params}
     jobs = [(seed * 1_000_003 + c, min(chunk, num - c * chunk), size, params) for c in range(-(-num // chunk))]
-    workers = workers or min(16, os.cpu_count() or 1)
+    workers = workers or os.cpu_count() or 1
     if workers > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(min(workers, len(jobs))) as pool:
             parts = list(pool.map(_render_chunk, jobs))
