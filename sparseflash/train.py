@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from sparseflash.data import TaskData, build_task
-from sparseflash.data.stream import BatchStream, count_tokens, load_batch
+from sparseflash.data.stream import BatchLoader, BatchStream, count_tokens, load_batch
 from sparseflash.distributed import Dist
 from sparseflash.logging import RunLogger, console_fallback, drop_records_after
 from sparseflash.masks import MaskSpec, import_patterns
@@ -384,12 +384,13 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
                                  task.val, state, logger, console)
     save = functools.partial(state.save, ckpt_path, **parts, ctx=ctx, config=OmegaConf.to_container(cfg, resolve=True))
     window, timed_out = _Window(), False
+    loader = BatchLoader(task.train, device)
     model.train()
     with _sigterm_flag() as sigterm:
         try:
             while state.step < max_steps:
                 t0 = time.perf_counter()
-                batch = load_batch(task.train, stream.next(), device)
+                batch = loader.load(stream.next())
                 with autocast():
                     logits = model(batch)
                 loss = F.cross_entropy(logits.float(), batch["y"])
@@ -400,6 +401,8 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 state.step += 1
+                if state.step < max_steps:
+                    loader.prefetch(stream.peek())  # while the device runs this step
                 acc = (logits.argmax(-1) == batch["y"]).float().mean().item()
                 term = 1.0 if sigterm["set"] else 0.0
                 late = 1.0 if max_time and state.seconds() > float(max_time) else 0.0

@@ -62,11 +62,15 @@ class SequenceDataset(torch.utils.data.Dataset):
 
 def pad_batch(seqs: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad 1-D token arrays with ``PAD``: ``(tokens [B, S_max], lengths [B])``."""
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-    out = torch.full((len(seqs), int(lengths.max()) if len(seqs) else 0), PAD, dtype=torch.long)
-    for row, s in enumerate(seqs):
-        out[row, : len(s)] = torch.as_tensor(np.asarray(s, dtype=np.int64))
-    return out, lengths
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    width = int(lengths.max()) if len(seqs) else 0
+    if len(seqs) and (lengths == width).all():  # equal lengths (images): one copy, no per-row work
+        out = np.stack(seqs).astype(np.int64, copy=False)
+    else:
+        out = np.full((len(seqs), width), PAD, dtype=np.int64)
+        for row, s in enumerate(seqs):
+            out[row, : len(s)] = s
+    return torch.from_numpy(out), torch.from_numpy(lengths)
 
 
 def collate(examples: Sequence[tuple]) -> dict[str, torch.Tensor]:

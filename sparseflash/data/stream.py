@@ -1,5 +1,6 @@
 """Training batches: which examples (``BatchStream``, seeded and resumable) and the tensors on the
-device (``load_batch``)."""
+device (``load_batch``, and ``BatchLoader``, which prepares the next batch while the device runs
+the current step)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ class BatchStream:
         self.pos += self.batch_size
         return batch[self.rank::self.world]
 
+    def peek(self) -> np.ndarray:
+        """The indices ``next()`` will return, without taking them."""
+        saved = self.epoch, self.pos, self._perm
+        try:
+            return self.next()
+        finally:
+            self.epoch, self.pos, self._perm = saved
+
     def state(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
 
@@ -46,8 +55,33 @@ class BatchStream:
 
 
 def load_batch(dataset: SequenceDataset, indices: Sequence[int], device: torch.device) -> dict[str, torch.Tensor]:
-    """The examples ``indices`` of ``dataset``, collated (padded, with lengths) and on ``device``."""
-    return {k: v.to(device, non_blocking=True) for k, v in collate([dataset[i] for i in indices]).items()}
+    """The examples ``indices`` of ``dataset``, collated (padded, with lengths) and on ``device``
+    (copied from pinned memory without waiting, on CUDA)."""
+    batch = collate([dataset[i] for i in indices])
+    if device.type == "cuda":
+        batch = {k: v.pin_memory() for k, v in batch.items()}
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class BatchLoader:
+    """Training batches of ``dataset`` on ``device``, one step ahead: ``prefetch(indices)``, called
+    once the step's work is queued on the device, collates the next batch on the host and queues
+    its copy, so that the host work overlaps the device's; ``load(indices)`` returns that batch
+    when it holds the same indices, and loads them otherwise."""
+
+    def __init__(self, dataset: SequenceDataset, device: torch.device):
+        self.dataset, self.device = dataset, device
+        self._ahead: tuple[np.ndarray, dict[str, torch.Tensor]] | None = None
+
+    def load(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and np.array_equal(ahead[0], indices):
+            return ahead[1]
+        return load_batch(self.dataset, indices, self.device)
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        indices = np.array(indices)
+        self._ahead = indices, load_batch(self.dataset, indices, self.device)
 
 
 def count_tokens(batch: dict[str, torch.Tensor]) -> int:
