@@ -8,7 +8,8 @@ its instructions, tensor-core ops and register spills (docs/kernels.md shows wha
 A variant is KERNEL:KIND:HEAD_DIM:BMxBNwWARPSsSTAGES[:ragged][:dropout], KERNEL fwd, pfwd (the
 persistent forward, for 132 SMs), dec (the split-KV decode forward, 4 heads a program), bwd (both
 kinds of program in one launch), dkdv or dq; KIND dense, causal or sparse (128x128 mask blocks);
-``ragged`` compiles the EVEN_LENGTHS=False variant, ``dropout`` the DROPOUT one. Arguments are typed
+``ragged`` compiles the EVEN_LENGTHS=False variant, ``dropout`` the DROPOUT one, ``alibi`` or
+``softcap`` the built-in score function's generated helper. Arguments are typed
 as the launcher passes them: bf16 tensors, the head-dim stride 1, other tensor strides divisible by 16.
 """
 
@@ -22,7 +23,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sparseflash.attention.triton import backward, forward, forward_decode, forward_persistent
+from sparseflash.attention.score_mods import make_score_mod
+from sparseflash.attention.triton import backward, codegen, forward, forward_decode, forward_persistent
+from sparseflash.masks.functions import trace
 
 KINDS = {"dense": (0, False), "causal": (1, True), "sparse": (2, False)}
 PROGRAMS = {"bwd": 0, "dkdv": 1, "dq": 2}
@@ -41,6 +44,8 @@ def compile_variant(spec: str):
                      DOT_PRECISION="ieee", WIDEN_DOTS=False,
                      EVEN_LENGTHS=kind != "sparse" and "ragged" not in rest, MASK_MOD=None, SCORE_MOD=None,
                      DROPOUT="dropout" in rest)
+    for name in set(rest) & {"alibi", "softcap"}:
+        constants["SCORE_MOD"] = codegen.helpers(None, trace(make_score_mod(name, 16), "score_mod")).score_mod
     if kernel == "pfwd":
         constants.update(NUM_PROGRAMS=132, MASK_EVERY_TILE=False)
     elif kernel == "dec":

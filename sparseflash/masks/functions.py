@@ -85,6 +85,27 @@ class Graph:
         are keyed on it)."""
         return any(n.op in SPECIAL_FUNCTIONS for n in self.nodes)
 
+    @property
+    def separable(self) -> bool:
+        """Whether the function (a score function) has the form ``a(b, h) * score + g(b, h, q_idx) +
+        k(b, h, kv_idx)``: the score enters linearly, with a factor of b and h only, and no term mixes
+        the query position with the key position (ALiBi, any bias linear in the distance, a bias per
+        key or per query). The softmax over keys does not see ``g``, so the kernels leave it out and
+        compute the rest once per key tile (codegen.py)."""
+        return self.output is not None and _separable(self.output)
+
+    def query_term(self, batch: int, heads: int, q_len: int, device) -> torch.Tensor:
+        """For a separable score function, its per-query term ``g(b, h, q_idx) - g(b, h, 0)``: the value at
+        score 0 and key 0 less that at query 0, ``(batch, heads, q_len)`` fp32, without gradient (what the
+        kernels leave out of their scores and add back to the lse)."""
+        with torch.no_grad():
+            b = torch.arange(batch, device=device)[:, None, None]
+            h = torch.arange(heads, device=device)[None, :, None]
+            q_idx = torch.arange(q_len, device=device)[None, None, :]
+            zero = torch.zeros((), device=device)
+            at = [self.evaluate(zero, b, h, i, torch.zeros_like(i)) for i in (q_idx, torch.zeros_like(q_idx))]
+            return torch.broadcast_to(torch.as_tensor(at[0] - at[1], device=device).float(), (batch, heads, q_len))
+
     def key(self) -> str:
         """The graph as text: its nodes (op, kind and arguments), output, and its captures' dtypes, ranks and
         whether they require grad. It is what generated code depends on, and ``Graph.parse`` reads it back."""
@@ -138,6 +159,30 @@ class Graph:
                 out = _EVALUATE[node.op](*a)
             values[id(node)] = out
         return values[id(self.output)]
+
+
+def _separable(node) -> bool:
+    """``node`` is ``a(b, h) * score + g(b, h, q_idx) + k(b, h, kv_idx)`` (see ``Graph.separable``)."""
+    if not isinstance(node, Node):
+        return True
+    if "score" not in node.deps and not {"q_idx", "kv_idx"} <= node.deps:
+        return True  # a term of b, h and at most one of the positions
+    if node.op == "arg":  # the score
+        return True
+    if node.op in ("add", "sub"):
+        return _separable(node.args[0]) and _separable(node.args[1])
+    if node.op == "neg":
+        return _separable(node.args[0])
+    if node.op in ("mul", "truediv"):
+        first, second = node.args
+        if node.op == "mul" and _of_batch_and_head(first):
+            return _separable(second)
+        return _of_batch_and_head(second) and _separable(first)
+    return False
+
+
+def _of_batch_and_head(x) -> bool:
+    return not isinstance(x, Node) or x.deps <= {"b", "h"}
 
 
 def trained_flags(key: str) -> list[bool]:

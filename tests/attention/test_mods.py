@@ -150,6 +150,44 @@ def test_learnable_bias_gets_its_gradient_on_every_backend():
         assert torch.allclose(grads[backend], want, rtol=1e-4, atol=1e-5), backend
 
 
+def _linear_in_positions(heads: int, q_len: int, kv_len: int, device):
+    """A separable score function (``Graph.separable``) with learnable per-head slopes, per-query and
+    per-key terms: the kernels leave its per-query term out of the scores and add it back to the lse."""
+    slopes, per_query, per_key = _table((heads,), device), _table((q_len,), device), _table((kv_len,), device)
+
+    def linear(score, b, h, q_idx, kv_idx):
+        return score * 0.75 + slopes[h] * (kv_idx - q_idx) * 0.05 + per_query[q_idx] * 3.0 - per_key[kv_idx]
+    assert trace(linear, "score_mod").separable
+    return linear
+
+
+SEPARABLE_CASES = [  # q_len, kv_len, dim, dtype, gqa, key_lengths, compiler
+    (100, 100, 16, torch.float32, False, False, None),
+    (70, 130, 8, torch.bfloat16, True, True, None),
+    (90, 60, 16, torch.float16, False, False, "aot_eager"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", SEPARABLE_CASES, ids=lambda c: "-".join(
+    [f"sq{c[0]}", f"skv{c[1]}", f"d{c[2]}", str(c[3]).removeprefix("torch."), "gqa" if c[4] else "mha",
+     "keylen" if c[5] else "nokeylen", c[6] or "eager"]))
+def test_separable_score_function_through_o_and_lse(case, backend):
+    """o, the lse (which the kernels compute without the per-query term) and every gradient of a loss
+    of both, the captured tensors' included, against the reference; rows that see no key stay 0 / -inf."""
+    q_len, kv_len, dim, dtype, gqa, key_lengths, compiler = case
+    batch, heads = 2, 4
+    torch._dynamo.reset()
+    q, k, v, do = _inputs(batch, heads, heads // 2 if gqa else heads, q_len, kv_len, dim, dtype)
+    score_mod = _linear_in_positions(heads, q_len, kv_len, "cpu")
+    mask, _ = _mask("empty-rows", q_len, kv_len, batch, heads, "cpu")
+    lengths = torch.tensor([kv_len * 2 // 3 + 1, 0]) if key_lengths else None
+    dlse = torch.randn(batch, heads, q_len)
+    got = check_backend(backend, q, k, v, mask, do, lengths, dlse=dlse, score_mod=score_mod, compiler=compiler)
+    assert torch.all(got.lse[:, :, 10:50] == float("-inf")) and not got.lse.isnan().any()
+    assert len(got.dcaptures) == 3 and all(g.abs().sum() > 0 for g in got.dcaptures)
+
+
 GPU_CASES = [
     ("sliding-causal", 2048, 2048, 128, torch.bfloat16, False, False),
     ("sliding-both-sides", 1000, 3000, 64, torch.float16, True, True),

@@ -246,3 +246,35 @@ def test_building_a_function_mask_imports_no_symbolic_machinery():
             "assert 'sympy' not in sys.modules, 'sympy was imported'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+_SLOPES, _TABLE = torch.rand(4) + 0.1, torch.rand(4, 9)
+SEPARABLE = {  # name: (score function, separable)
+    "alibi": (lambda s, b, h, q, kv: s + _SLOPES[h] * (kv - q), True),
+    "distance-times-head": (lambda s, b, h, q, kv: s - _SLOPES[h] * (h + 1) * (q - kv), True),
+    "scaled-score-key-table-query-term": (lambda s, b, h, q, kv: s * _SLOPES[h] * 2.0 + _TABLE[h, kv % 9] - q * 0.5, True),
+    "divided": (lambda s, b, h, q, kv: (s + kv) / 2.0 - q, True),
+    "position-product": (lambda s, b, h, q, kv: s + q * kv, False),
+    "score-squared": (lambda s, b, h, q, kv: s * s, False),
+    "score-times-query": (lambda s, b, h, q, kv: s * q, False),
+    "where-on-positions": (lambda s, b, h, q, kv: torch.where(q >= kv, s, s - 1.0), False),
+    "table-of-the-distance": (lambda s, b, h, q, kv: s + _TABLE[h, (kv - q) % 9], False),
+    "softcap": (lambda s, b, h, q, kv: torch.tanh(s / 2.0) * 2.0, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEPARABLE))
+def test_separable_functions_are_linear_in_the_score_without_mixed_position_terms(name):
+    fn, separable = SEPARABLE[name]
+    graph = trace(fn, "score_mod")
+    assert graph.separable is separable
+    if separable:  # value = a * score + g(q) + k(kv): the query term is the value at score 0, key 0, less query 0
+        b, h = torch.arange(2)[:, None, None], torch.arange(4)[None, :, None]
+        q = torch.arange(7)[None, None, :]
+        zero = torch.zeros(())
+        want = fn(zero, b, h, q, torch.zeros_like(q)) - fn(zero, b, h, torch.zeros_like(q), torch.zeros_like(q))
+        assert torch.allclose(graph.query_term(2, 4, 7, "cpu"), torch.broadcast_to(want.float(), (2, 4, 7)))
+        s, kv = torch.randn(2, 4, 7, 5), torch.arange(5)[None, None, None, :]
+        full = fn(s, b[..., None], h[..., None], q[..., None], kv)
+        rest = fn(s, b[..., None], h[..., None], torch.zeros_like(q[..., None]), kv)  # what the kernels compute
+        assert torch.allclose(full - rest, torch.broadcast_to(want.float()[..., None], full.shape), atol=1e-5)

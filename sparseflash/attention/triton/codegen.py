@@ -4,8 +4,12 @@ For a (mask_mod, score_mod) pair, ``helpers`` returns a module of up to three fu
 kernels take as constexpr arguments (MASK_MOD, SCORE_MOD, SCORE_MOD_GRADS; None where absent):
 
   mask_mod(b, h, q_idx, kv_idx, MODS) -> bool                   the element predicate of partial tiles
-  score_mod(score, b, h, q_idx, kv_idx, MODS) -> (new, d new / d score)   applied to every computed score;
-      the forward uses the value only (the compiler drops the derivative)
+  score_mod(qk, qk_scale, b, h, q_idx, kv_idx, MODS) -> (base-2 score, d new / d score)   the score
+      function of every computed product q.k, whose natural score is ``qk * qk_scale * ln 2``; the
+      forward uses the value only (the compiler drops the derivative). For a ``Graph.separable``
+      function ``a * score + g(q_idx) + k(kv_idx)`` it leaves out ``g`` (a constant per query row,
+      which the softmax does not see; the lse then lacks it: ``Graph.query_term``) and evaluates the rest
+      at query 0 on the key positions only: one fused multiply-add per score, as without a function
   score_mod_grads(ds, score, b, h, q_idx, kv_idx, MODS)        adds ds * d new / d capture[index] into the
       gradient buffer of each captured tensor that requires grad (atomics; a sum over the tile first
       where the index depends on b and h only)
@@ -197,11 +201,19 @@ def _mask_source(graph: Graph) -> str:
 
 def _score_source(graph: Graph) -> str:
     e = _Emitter(graph)
+    if graph.separable:  # the value at score 0 and query 0 is the part that varies over the keys
+        e.lines += ["    score = 0.0", "    q_idx = h * 0"]
+    else:
+        e.lines.append("    score = qk * (qk_scale * 0.6931471805599453)  # * ln 2: the natural score")
     e.values()
-    d_out = e.derivative(next(n for n in graph.nodes if n.op == "arg" and n.args[0] == "score"))
+    d_out = e.derivative(next((n for n in graph.nodes if n.op == "arg" and n.args[0] == "score"), None))
     out = e.ref(graph.output) + (" * 1.0" if graph.output.kind == "int" else "")
-    return "\n\n@triton.jit\ndef score_mod(score, b, h, q_idx, kv_idx, MODS):\n" + "\n".join(e.lines) + \
-        f"\n    return {out}, {d_out}\n"
+    if graph.separable:
+        value = f"qk * (qk_scale * {d_out}) + {out} * 1.4426950408889634"
+    else:
+        value = f"{out} * 1.4426950408889634"
+    return "\n\n@triton.jit\ndef score_mod(qk, qk_scale, b, h, q_idx, kv_idx, MODS):\n" + "\n".join(e.lines) + \
+        f"\n    return {value}, {d_out}\n"
 
 
 def _grads_source(graph: Graph) -> str:

@@ -140,8 +140,7 @@ def modded_scores(qk, b, h, q_idx, kv_idx, qk_scale, MODS, SCORE_MOD: tl.constex
     """Base-2 scores of the products q.k in ``qk`` (any tile layout; q_idx and kv_idx broadcast to
     it) and the score function's derivative with respect to the natural score (1.0 without one)."""
     if SCORE_MOD is not None:
-        s, d_score = SCORE_MOD(qk * (qk_scale * 0.6931471805599453), b, h, q_idx, kv_idx, MODS)  # * ln 2
-        return s * 1.4426950408889634, d_score
+        return SCORE_MOD(qk, qk_scale, b, h, q_idx, kv_idx, MODS)
     else:
         return qk * qk_scale, 1.0
 
