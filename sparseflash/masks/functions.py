@@ -175,13 +175,14 @@ def _separable(node) -> bool:
         return _separable(node.args[0])
     if node.op in ("mul", "truediv"):
         first, second = node.args
-        if node.op == "mul" and _of_batch_and_head(first):
+        if node.op == "mul" and of_batch_and_head(first):
             return _separable(second)
-        return _of_batch_and_head(second) and _separable(first)
+        return of_batch_and_head(second) and _separable(first)
     return False
 
 
-def _of_batch_and_head(x) -> bool:
+def of_batch_and_head(x) -> bool:
+    """Whether ``x`` (a node or a number) depends on b and h only: one value per program of the kernels."""
     return not isinstance(x, Node) or x.deps <= {"b", "h"}
 
 

@@ -9,7 +9,7 @@ kernels take as constexpr arguments (MASK_MOD, SCORE_MOD, SCORE_MOD_GRADS; None 
       forward uses the value only (the compiler drops the derivative). For a ``Graph.separable``
       function ``a * score + g(q_idx) + k(kv_idx)`` it leaves out ``g`` (a constant per query row,
       which the softmax does not see; the lse then lacks it: ``Graph.query_term``) and evaluates the rest
-      at query 0 on the key positions only: one fused multiply-add per score, as without a function
+      at query 0 on the key positions only (a vector), then adds it to the scaled products
   score_mod_grads(ds, score, b, h, q_idx, kv_idx, MODS)        adds ds * d new / d capture[index] into the
       gradient buffer of each captured tensor that requires grad (atomics; a sum over the tile first
       where the index depends on b and h only)
@@ -36,7 +36,7 @@ from types import ModuleType
 
 import torch
 
-from sparseflash.masks.functions import Graph, Node
+from sparseflash.masks.functions import Graph, Node, of_batch_and_head
 
 MAX_DIMS = 4
 MODS_FIELDS = 2 * (1 + MAX_DIMS)  # per captured tensor: address and strides, its gradient buffer's too
@@ -209,11 +209,39 @@ def _score_source(graph: Graph) -> str:
     d_out = e.derivative(next((n for n in graph.nodes if n.op == "arg" and n.args[0] == "score"), None))
     out = e.ref(graph.output) + (" * 1.0" if graph.output.kind == "int" else "")
     if graph.separable:
-        value = f"qk * (qk_scale * {d_out}) + {out} * 1.4426950408889634"
+        keys = _scaled(e, graph.output, "1.4426950408889634")
+        value = f"qk * (qk_scale * {d_out})" + (f" + {keys}" if keys else "")
     else:
         value = f"{out} * 1.4426950408889634"
     return "\n\n@triton.jit\ndef score_mod(qk, qk_scale, b, h, q_idx, kv_idx, MODS):\n" + "\n".join(e.lines) + \
         f"\n    return {value}, {d_out}\n"
+
+
+def _scaled(e: _Emitter, node, factor: str) -> str | None:
+    """An expression for ``node * factor`` at score 0 and query 0 (None where that is 0): a separable
+    score function's key term. Zero terms are left out rather than added, sums are split, and factors
+    of b and h only are multiplied into ``factor`` (scalars), so that the key vector is multiplied once."""
+    if not isinstance(node, Node):
+        return f"({node!r} * {factor})"
+    op, args = node.op, node.args
+    if op == "arg" and args[0] in ("score", "q_idx"):
+        return None
+    if op in ("add", "sub"):
+        first, second = _scaled(e, args[0], factor), _scaled(e, args[1], factor if op == "add" else f"(-{factor})")
+        return second if first is None else first if second is None else f"({first} + {second})"
+    if op == "neg":
+        return _scaled(e, args[0], f"(-{factor})")
+    if op in ("mul", "truediv") and _scaled(e, args[0], "1.0") is None:
+        return None
+    if op == "mul" and _scaled(e, args[1], "1.0") is None:
+        return None
+    if op == "mul" and of_batch_and_head(args[0]):
+        return _scaled(e, args[1], f"({e.ref(args[0])} * {factor})")
+    if op == "mul" and of_batch_and_head(args[1]):
+        return _scaled(e, args[0], f"({e.ref(args[1])} * {factor})")
+    if op == "truediv" and of_batch_and_head(args[1]):
+        return _scaled(e, args[0], f"({factor} / {e.ref(args[1])})")
+    return f"({e.ref(node)} * {factor})"
 
 
 def _grads_source(graph: Graph) -> str:
