@@ -82,4 +82,3 @@ def triton_attention(q, k, v, mask: BlockMask, key_lengths, scale: float, score_
     if score_graph is not None and score_graph.separable:  # the kernels' lse lacks the per-query term
         lse = lse + score_graph.query_term(*q.shape[:3], q.device)
     return o, lse
-
