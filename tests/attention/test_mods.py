@@ -175,17 +175,26 @@ SEPARABLE_CASES = [  # q_len, kv_len, dim, dtype, gqa, key_lengths, compiler
 def test_separable_score_function_through_o_and_lse(case, backend):
     """o, the lse (which the kernels compute without the per-query term) and every gradient of a loss
     of both, the captured tensors' included, against the reference; rows that see no key stay 0 / -inf."""
+    _check_separable(case, backend, "cpu")
+
+
+def _check_separable(case, backend, device, batch=2, heads=4):
     q_len, kv_len, dim, dtype, gqa, key_lengths, compiler = case
-    batch, heads = 2, 4
     torch._dynamo.reset()
-    q, k, v, do = _inputs(batch, heads, heads // 2 if gqa else heads, q_len, kv_len, dim, dtype)
-    score_mod = _linear_in_positions(heads, q_len, kv_len, "cpu")
-    mask, _ = _mask("empty-rows", q_len, kv_len, batch, heads, "cpu")
-    lengths = torch.tensor([kv_len * 2 // 3 + 1, 0]) if key_lengths else None
-    dlse = torch.randn(batch, heads, q_len)
+    q, k, v, do = _inputs(batch, heads, heads // 2 if gqa else heads, q_len, kv_len, dim, dtype, device)
+    score_mod = _linear_in_positions(heads, q_len, kv_len, device)
+    mask, _ = _mask("empty-rows", q_len, kv_len, batch, heads, device)
+    lengths = torch.tensor([kv_len * 2 // 3 + 1, 0], device=device) if key_lengths else None
+    dlse = torch.randn(batch, heads, q_len, device=device)
     got = check_backend(backend, q, k, v, mask, do, lengths, dlse=dlse, score_mod=score_mod, compiler=compiler)
     assert torch.all(got.lse[:, :, 10:50] == float("-inf")) and not got.lse.isnan().any()
     assert len(got.dcaptures) == 3 and all(g.abs().sum() > 0 for g in got.dcaptures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiler", [None, "inductor"], ids=["eager", "inductor"])
+def test_gpu_separable_score_function_through_o_and_lse(compiler):
+    _check_separable((2048, 2048, 128, torch.bfloat16, True, True, compiler), "triton", "cuda")
 
 
 GPU_CASES = [
