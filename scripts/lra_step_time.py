@@ -6,7 +6,8 @@ A step is what ``experiments/train.py`` does: forward under bf16 autocast, cross
 AdamW. Inputs are random tokens of exactly the given length (no padding), so every configuration
 does the same work. Attention dropout is off (the model's other dropout stays), so that the standard
 backend, whose dropout draws the kernels' counter-based mask with PyTorch ops, is not slowed by it;
-``--attention-dropout P`` adds each pattern on the kernels with it, to show its cost. The
+``--attention-dropout P`` adds each pattern on the kernels with it, to show its cost, and
+``--compile`` each pattern with the model under ``torch.compile`` (``trainer.compile=true``). The
 configurations take turns (``--rounds``), each timing ``--steps`` steps by CUDA events after
 warm-up; a configuration that runs out of memory is reported as ``OOM``.
 
@@ -47,13 +48,14 @@ class Config:
     """One (pattern, backend, attention dropout) model at one length and batch, with its optimizer and
     step times."""
 
-    def __init__(self, overrides, pattern, backend, attention_dropout, length, batch, device):
+    def __init__(self, overrides, pattern, backend, attention_dropout, length, batch, device, compiled=False):
         self.key = {"pattern": pattern, "backend": backend, "attention_dropout": attention_dropout,
-                    "length": length, "batch": batch}
+                    "length": length, "batch": batch, "compiled": compiled}
         self.times: list[float] = []
         self.oom = False
-        self.model = _model(overrides, pattern, backend, attention_dropout, length, device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        model = _model(overrides, pattern, backend, attention_dropout, length, device)
+        self.model = torch.compile(model) if compiled else model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.batch = {"x": torch.randint(1, 256, (batch, length), device=device),
                       "lengths": torch.full((batch,), length, device=device),
                       "y": torch.randint(0, 10, (batch,), device=device)}
@@ -105,7 +107,8 @@ def _table(results: list[dict]) -> str:
         else:
             time = f"{r['median_ms']:.1f} ({r['p20_ms']:.1f}-{r['p80_ms']:.1f})"
             speedup = f"{base['median_ms'] / r['median_ms']:.2f}x" if base["median_ms"] else "standard OOM"
-        lines.append(f"| {r['length']} | {r['batch']} | {r['pattern']} | {r['backend']} | {r['attention_dropout']} "
+        backend = r["backend"] + (" (compiled)" if r.get("compiled") else "")
+        lines.append(f"| {r['length']} | {r['batch']} | {r['pattern']} | {backend} | {r['attention_dropout']} "
                      f"| {time} | {speedup} |")
     return "\n".join(lines)
 
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="attention configs timed on the triton backend (configs/attention)")
     parser.add_argument("--attention-dropout", type=float, default=0.0,
                         help="also time each pattern on the kernels with this attention dropout")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time each pattern on the kernels with the model under torch.compile")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each round's")
@@ -131,9 +136,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("step times are measured on a CUDA GPU; none is available")
     device = torch.device("cuda")
     dropouts = [0.0] + ([args.attention_dropout] if args.attention_dropout > 0 else [])
-    rows = [(*STANDARD, 0.0), *((p, "triton", d) for d in dropouts for p in args.patterns)]
-    configs = [Config(args.overrides, pattern, backend, dropout, length, batch, device)
-               for length, batch in zip(args.lengths, args.batches) for pattern, backend, dropout in rows]
+    rows = [(*STANDARD, 0.0, False), *((p, "triton", d, False) for d in dropouts for p in args.patterns),
+            *((p, "triton", 0.0, True) for p in (args.patterns if args.compile else []))]
+    configs = [Config(args.overrides, pattern, backend, dropout, length, batch, device, compiled)
+               for length, batch in zip(args.lengths, args.batches) for pattern, backend, dropout, compiled in rows]
     for _ in range(args.rounds):
         for config in configs:
             config.time(args.steps, args.warmup)

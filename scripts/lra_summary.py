@@ -42,10 +42,10 @@ def _mean_std(values: list[float]) -> str:
 
 def _speedups(step_time: list[dict], pattern: str) -> dict[int, float | None]:
     """Per length: the standard Transformer's step time over this pattern's on the kernels (both
-    without attention dropout)."""
+    without attention dropout, in eager mode)."""
     out = {}
     for r in step_time:
-        if (r["pattern"], r["backend"]) != (pattern, "triton") or r.get("attention_dropout", 0.0):
+        if (r["pattern"], r["backend"]) != (pattern, "triton") or r.get("attention_dropout", 0.0) or r.get("compiled"):
             continue
         base = next(b for b in step_time if (b["pattern"], b["backend"]) == ("dense", "standard")
                     and (b["length"], b["batch"]) == (r["length"], r["batch"]))

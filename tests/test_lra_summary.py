@@ -23,7 +23,9 @@ def test_summary_of_seeds_and_step_times(tmp_path):
             {"pattern": "dense", "backend": "triton", "length": 64, "batch": 8, "median_ms": 10.0},
             {"pattern": "butterfly", "backend": "triton", "length": 64, "batch": 8, "median_ms": 7.5},
             {"pattern": "butterfly", "backend": "triton", "attention_dropout": 0.1, "length": 64, "batch": 8,
-             "median_ms": 9.0}]  # with attention dropout: not a speed-up row
+             "median_ms": 9.0},  # with attention dropout: not a speed-up row
+            {"pattern": "butterfly", "backend": "triton", "compiled": True, "length": 64, "batch": 8,
+             "median_ms": 5.0}]  # under torch.compile: not one either
     step_time.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "summary"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "lra_summary.py"), *map(str, runs),
