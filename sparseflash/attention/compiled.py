@@ -186,11 +186,7 @@ def compiled_attention(q, k, v, mask: BlockMask | MaskSpec, key_lengths, scale: 
     ``Dropout`` seed where ``dropout_p > 0``."""
     score_graph = trace(score_mod, "score_mod") if score_mod is not None else None
     mask_tensors, mask_captures, mask_spec = _parts(mask)
-    o, lse = attention_forward(q, k, v, mask_tensors, mask_captures, key_lengths,
-                               [] if score_graph is None else list(score_graph.captures), float(scale), mask_spec,
-                               "" if score_graph is None else score_graph.key(), backend, float(dropout_p),
-                               dropout_seed)
-    if backend == "triton" and score_graph is not None and score_graph.separable:
-        # the kernels' lse lacks the per-query term; the op's own output is what its backward takes
-        lse = lse + score_graph.query_term(*q.shape[:3], q.device)
-    return o, lse
+    return attention_forward(q, k, v, mask_tensors, mask_captures, key_lengths,
+                             [] if score_graph is None else list(score_graph.captures), float(scale), mask_spec,
+                             "" if score_graph is None else score_graph.key(), backend, float(dropout_p),
+                             dropout_seed)

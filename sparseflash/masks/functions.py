@@ -92,7 +92,10 @@ class Graph:
         the query position with the key position (ALiBi, any bias linear in the distance, a bias per
         key or per query). The softmax over keys does not see ``g``, so the kernels leave it out and
         compute the rest once per key tile (codegen.py)."""
-        return self.output is not None and _separable(self.output)
+        known: dict[int, bool] = {}  # per node, in evaluation order: each is judged once
+        for node in self.nodes:
+            known[id(node)] = _separable(node, lambda x: not isinstance(x, Node) or known[id(x)])
+        return self.output is not None and known[id(self.output)]
 
     def query_term(self, batch: int, heads: int, q_len: int, device) -> torch.Tensor:
         """For a separable score function, its per-query term ``g(b, h, q_idx) - g(b, h, 0)``: the value at
@@ -161,23 +164,22 @@ class Graph:
         return values[id(self.output)]
 
 
-def _separable(node) -> bool:
-    """``node`` is ``a(b, h) * score + g(b, h, q_idx) + k(b, h, kv_idx)`` (see ``Graph.separable``)."""
-    if not isinstance(node, Node):
-        return True
+def _separable(node: Node, separable: Callable) -> bool:
+    """``node`` is ``a(b, h) * score + g(b, h, q_idx) + k(b, h, kv_idx)`` (see ``Graph.separable``),
+    given ``separable(arg)`` for its arguments."""
     if "score" not in node.deps and not {"q_idx", "kv_idx"} <= node.deps:
         return True  # a term of b, h and at most one of the positions
     if node.op == "arg":  # the score
         return True
     if node.op in ("add", "sub"):
-        return _separable(node.args[0]) and _separable(node.args[1])
+        return separable(node.args[0]) and separable(node.args[1])
     if node.op == "neg":
-        return _separable(node.args[0])
+        return separable(node.args[0])
     if node.op in ("mul", "truediv"):
         first, second = node.args
         if node.op == "mul" and of_batch_and_head(first):
-            return _separable(second)
-        return of_batch_and_head(second) and _separable(first)
+            return separable(second)
+        return of_batch_and_head(second) and separable(first)
     return False
 
 

@@ -209,7 +209,7 @@ def _score_source(graph: Graph) -> str:
     d_out = e.derivative(next((n for n in graph.nodes if n.op == "arg" and n.args[0] == "score"), None))
     out = e.ref(graph.output) + (" * 1.0" if graph.output.kind == "int" else "")
     if graph.separable:
-        keys = _scaled(e, graph.output, "1.4426950408889634")
+        keys = _scaled(e, graph.output, "1.4426950408889634", _zeros(graph))
         value = f"qk * (qk_scale * {d_out})" + (f" + {keys}" if keys else "")
     else:
         value = f"{out} * 1.4426950408889634"
@@ -217,30 +217,43 @@ def _score_source(graph: Graph) -> str:
         f"\n    return {value}, {d_out}\n"
 
 
-def _scaled(e: _Emitter, node, factor: str) -> str | None:
+def _zeros(graph: Graph) -> set[int]:
+    """The ids of the nodes that are 0 at score 0 and query 0 (the score, the query position, and
+    sums, products and quotients of them), found in one pass in evaluation order."""
+    zeros: set[int] = set()
+    zero = lambda x: isinstance(x, Node) and id(x) in zeros  # noqa: E731
+    for node in graph.nodes:
+        op, args = node.op, node.args
+        if ((op == "arg" and args[0] in ("score", "q_idx")) or (op in ("add", "sub") and all(map(zero, args)))
+                or (op == "neg" and zero(args[0])) or (op == "mul" and any(map(zero, args)))
+                or (op == "truediv" and zero(args[0]))):
+            zeros.add(id(node))
+    return zeros
+
+
+def _scaled(e: _Emitter, node, factor: str, zeros: set[int]) -> str | None:
     """An expression for ``node * factor`` at score 0 and query 0 (None where that is 0): a separable
-    score function's key term. Zero terms are left out rather than added, sums are split, and factors
-    of b and h only are multiplied into ``factor`` (scalars), so that the key vector is multiplied once."""
+    score function's key term. A sum with a zero side is its other side (no vector add of a zero),
+    and factors of b and h only are multiplied into ``factor`` (scalars), so that the key vector is
+    multiplied once. Follows one path down the graph."""
     if not isinstance(node, Node):
         return f"({node!r} * {factor})"
+    if id(node) in zeros:
+        return None
     op, args = node.op, node.args
-    if op == "arg" and args[0] in ("score", "q_idx"):
-        return None
-    if op in ("add", "sub"):
-        first, second = _scaled(e, args[0], factor), _scaled(e, args[1], factor if op == "add" else f"(-{factor})")
-        return second if first is None else first if second is None else f"({first} + {second})"
+    zero = [isinstance(a, Node) and id(a) in zeros for a in args]
+    if op in ("add", "sub") and zero[0]:
+        return _scaled(e, args[1], factor if op == "add" else f"(-{factor})", zeros)
+    if op in ("add", "sub") and zero[1]:
+        return _scaled(e, args[0], factor, zeros)
     if op == "neg":
-        return _scaled(e, args[0], f"(-{factor})")
-    if op in ("mul", "truediv") and _scaled(e, args[0], "1.0") is None:
-        return None
-    if op == "mul" and _scaled(e, args[1], "1.0") is None:
-        return None
+        return _scaled(e, args[0], f"(-{factor})", zeros)
     if op == "mul" and of_batch_and_head(args[0]):
-        return _scaled(e, args[1], f"({e.ref(args[0])} * {factor})")
+        return _scaled(e, args[1], f"({e.ref(args[0])} * {factor})", zeros)
     if op == "mul" and of_batch_and_head(args[1]):
-        return _scaled(e, args[0], f"({e.ref(args[1])} * {factor})")
+        return _scaled(e, args[0], f"({e.ref(args[1])} * {factor})", zeros)
     if op == "truediv" and of_batch_and_head(args[1]):
-        return _scaled(e, args[0], f"({factor} / {e.ref(args[1])})")
+        return _scaled(e, args[0], f"({factor} / {e.ref(args[1])})", zeros)
     return f"({e.ref(node)} * {factor})"
 
 

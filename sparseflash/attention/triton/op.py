@@ -78,7 +78,4 @@ def triton_attention(q, k, v, mask: BlockMask, key_lengths, scale: float, score_
     trained = score_graph.trained if score_graph is not None else []
     compile_ahead(q, k, v, plan, key_lengths, score_graph,
                   torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *trained)))
-    o, lse = TritonAttentionFunction.apply(q, k, v, plan, key_lengths, score_graph, dropout, *trained)
-    if score_graph is not None and score_graph.separable:  # the kernels' lse lacks the per-query term
-        lse = lse + score_graph.query_term(*q.shape[:3], q.device)
-    return o, lse
+    return TritonAttentionFunction.apply(q, k, v, plan, key_lengths, score_graph, dropout, *trained)
