@@ -224,12 +224,4 @@ def attention(
     else:
         o, lse = BACKENDS[name](q, k, v, mask, key_lengths, scale, score_mod,
                                 None if seed is None else Dropout(dropout_p, seed))
-    if not return_lse:
-        return o
-    if name == "triton" and score_mod is not None:
-        # the kernels leave a separable score function's per-query term out of their scores and lse (their
-        # backward takes that lse); the lse returned has it, added only when asked for
-        graph = trace(score_mod, "score_mod")
-        if graph.separable:
-            lse = lse + graph.query_term(*q.shape[:3], q.device)
-    return o, lse
+    return (o, lse) if return_lse else o

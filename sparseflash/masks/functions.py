@@ -90,24 +90,12 @@ class Graph:
         """Whether the function (a score function) has the form ``a(b, h) * score + g(b, h, q_idx) +
         k(b, h, kv_idx)``: the score enters linearly, with a factor of b and h only, and no term mixes
         the query position with the key position (ALiBi, any bias linear in the distance, a bias per
-        key or per query). The softmax over keys does not see ``g``, so the kernels leave it out and
-        compute the rest once per key tile (codegen.py)."""
+        key or per query). The kernels then evaluate it on a key tile's positions only, at one query
+        of the query tile, and add the difference per query row to the lse (codegen.py)."""
         known: dict[int, bool] = {}  # per node, in evaluation order: each is judged once
         for node in self.nodes:
             known[id(node)] = _separable(node, lambda x: not isinstance(x, Node) or known[id(x)])
         return self.output is not None and known[id(self.output)]
-
-    def query_term(self, batch: int, heads: int, q_len: int, device) -> torch.Tensor:
-        """For a separable score function, its per-query term ``g(b, h, q_idx) - g(b, h, 0)``: the value at
-        score 0 and key 0 less that at query 0, ``(batch, heads, q_len)`` fp32, without gradient (what the
-        kernels leave out of their scores and add back to the lse)."""
-        with torch.no_grad():
-            b = torch.arange(batch, device=device)[:, None, None]
-            h = torch.arange(heads, device=device)[None, :, None]
-            q_idx = torch.arange(q_len, device=device)[None, None, :]
-            zero = torch.zeros((), device=device)
-            at = [self.evaluate(zero, b, h, i, torch.zeros_like(i)) for i in (q_idx, torch.zeros_like(q_idx))]
-            return torch.broadcast_to(torch.as_tensor(at[0] - at[1], device=device).float(), (batch, heads, q_len))
 
     def key(self) -> str:
         """The graph as text: its nodes (op, kind and arguments), output, and its captures' dtypes, ranks and

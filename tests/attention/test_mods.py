@@ -152,7 +152,8 @@ def test_learnable_bias_gets_its_gradient_on_every_backend():
 
 def _linear_in_positions(heads: int, q_len: int, kv_len: int, device):
     """A separable score function (``Graph.separable``) with learnable per-head slopes, per-query and
-    per-key terms: the kernels leave its per-query term out of the scores and add it back to the lse."""
+    per-key terms: the kernels take its scores at one query per tile and add the difference per row
+    to the lse."""
     slopes, per_query, per_key = _table((heads,), device), _table((q_len,), device), _table((kv_len,), device)
 
     def linear(score, b, h, q_idx, kv_idx):
@@ -173,8 +174,9 @@ SEPARABLE_CASES = [  # q_len, kv_len, dim, dtype, gqa, key_lengths, compiler
     [f"sq{c[0]}", f"skv{c[1]}", f"d{c[2]}", str(c[3]).removeprefix("torch."), "gqa" if c[4] else "mha",
      "keylen" if c[5] else "nokeylen", c[6] or "eager"]))
 def test_separable_score_function_through_o_and_lse(case, backend):
-    """o, the lse (which the kernels compute without the per-query term) and every gradient of a loss
-    of both, the captured tensors' included, against the reference; rows that see no key stay 0 / -inf."""
+    """o, the lse (to which the kernels add the per-row term their scores leave out) and every gradient
+    of a loss of both, the captured tensors' included, against the reference; rows that see no key stay
+    0 / -inf."""
     _check_separable(case, backend, "cpu")
 
 
@@ -189,6 +191,33 @@ def _check_separable(case, backend, device, batch=2, heads=4):
     got = check_backend(backend, q, k, v, mask, do, lengths, dlse=dlse, score_mod=score_mod, compiler=compiler)
     assert torch.all(got.lse[:, :, 10:50] == float("-inf")) and not got.lse.isnan().any()
     assert len(got.dcaptures) == 3 and all(g.abs().sum() > 0 for g in got.dcaptures)
+
+
+def _far_along(q_len: int, heads: int, device, dtype=torch.float32, dim=16):
+    """Inputs, a causal window of 100 and ALiBi with steep slopes: far along the sequence its key term
+    ``slope * kv_idx`` is large while the scores a row sees stay small."""
+    q, k, v, do = _inputs(1, heads, heads, q_len, q_len, dim, dtype, device)
+    slopes = torch.tensor([0.5, 0.125] * (heads // 2), device=device)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    mask = masks.make("sliding_window", q_len, block=64, window=100, causal=True, device=device)
+    return q, k, v, do, mask, alibi, torch.randn(1, heads, q_len, device=device)
+
+
+def test_separable_score_function_keeps_fp32_precision_far_along_the_sequence():
+    """The kernels evaluate a separable function's key term at a query of each tile, so fp32 o, lse and
+    gradients stay within fp32's tolerance at position 3000 (at query 0 the term reaches slope * 3000, and
+    its rounding, and that of adding the per-query term back to the lse, alone exceed it)."""
+    q, k, v, do, mask, alibi, dlse = _far_along(3001, 2, "cpu")
+    check_backend("triton", q, k, v, mask, do, dlse=dlse, score_mod=alibi)
+
+
+@pytest.mark.gpu
+def test_gpu_separable_score_function_keeps_precision_far_along_the_sequence():
+    """As on the CPU, at 8,192 tokens in bf16 with head_dim 128: the lse within its fp32 bound."""
+    q, k, v, do, mask, alibi, dlse = _far_along(8192, 2, "cuda", torch.bfloat16, 128)
+    check_backend("triton", q, k, v, mask, do, dlse=dlse, score_mod=alibi)
 
 
 @pytest.mark.gpu

@@ -268,13 +268,13 @@ def test_separable_functions_are_linear_in_the_score_without_mixed_position_term
     fn, separable = SEPARABLE[name]
     graph = trace(fn, "score_mod")
     assert graph.separable is separable
-    if separable:  # value = a * score + g(q) + k(kv): the query term is the value at score 0, key 0, less query 0
-        b, h = torch.arange(2)[:, None, None], torch.arange(4)[None, :, None]
-        q = torch.arange(7)[None, None, :]
-        zero = torch.zeros(())
-        want = fn(zero, b, h, q, torch.zeros_like(q)) - fn(zero, b, h, torch.zeros_like(q), torch.zeros_like(q))
-        assert torch.allclose(graph.query_term(2, 4, 7, "cpu"), torch.broadcast_to(want.float(), (2, 4, 7)))
-        s, kv = torch.randn(2, 4, 7, 5), torch.arange(5)[None, None, None, :]
-        full = fn(s, b[..., None], h[..., None], q[..., None], kv)
-        rest = fn(s, b[..., None], h[..., None], torch.zeros_like(q[..., None]), kv)  # what the kernels compute
-        assert torch.allclose(full - rest, torch.broadcast_to(want.float()[..., None], full.shape), atol=1e-5)
+    if separable:  # f(s, q, kv) - f(s, q_ref, kv) = f(0, q, kv_ref) - f(0, q_ref, kv_ref) for any references:
+        # the kernels' scores at the tile's reference query differ from f by their row term (codegen.py)
+        b, h = torch.arange(2)[:, None, None, None], torch.arange(4)[None, :, None, None]
+        q, kv = torch.arange(7)[None, None, :, None], torch.arange(5)[None, None, None, :]
+        s, zero = torch.randn(2, 4, 7, 5), torch.zeros(())
+        for q_ref, kv_ref in ((0, 0), (3, 4), (6, 1)):
+            q_at, kv_at = torch.full_like(q, q_ref), torch.full_like(kv, kv_ref)
+            row = fn(zero, b, h, q, kv_at) - fn(zero, b, h, q_at, kv_at)
+            got = fn(s, b, h, q, kv) - fn(s, b, h, q_at, kv)
+            assert torch.allclose(got, torch.broadcast_to(row, got.shape).float(), atol=1e-5)

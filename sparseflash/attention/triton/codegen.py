@@ -1,15 +1,22 @@
 """Mask and score functions -> ``@triton.jit`` helpers, generated from their traced graphs and cached.
 
-For a (mask_mod, score_mod) pair, ``helpers`` returns a module of up to three functions, which the
-kernels take as constexpr arguments (MASK_MOD, SCORE_MOD, SCORE_MOD_GRADS; None where absent):
+For a (mask_mod, score_mod) pair, ``helpers`` returns a module of up to four functions, which the
+kernels take as constexpr arguments (MASK_MOD, SCORE_MOD, SCORE_ROW, SCORE_MOD_GRADS; None where absent):
 
   mask_mod(b, h, q_idx, kv_idx, MODS) -> bool                   the element predicate of partial tiles
-  score_mod(qk, qk_scale, b, h, q_idx, kv_idx, MODS) -> (base-2 score, d new / d score)   the score
-      function of every computed product q.k, whose natural score is ``qk * qk_scale * ln 2``; the
-      forward uses the value only (the compiler drops the derivative). For a ``Graph.separable``
-      function ``a * score + g(q_idx) + k(kv_idx)`` it leaves out ``g`` (a constant per query row,
-      which the softmax does not see; the lse then lacks it: ``Graph.query_term``) and evaluates the rest
-      at query 0 on the key positions only (a vector), then adds it to the scaled products
+  score_mod(qk, qk_scale, b, h, q_idx, kv_idx, q_ref, MODS) -> (base-2 score, d new / d score)   the
+      score function of every computed product q.k, whose natural score is ``qk * qk_scale * ln 2``;
+      the forward uses the value only (the compiler drops the derivative). A ``Graph.separable``
+      function ``f = a * score + g(q_idx) + k(kv_idx)`` is evaluated on the key positions only (a
+      vector) at the tile's reference query ``q_ref``: ``a * score + f(0, q_ref, kv_idx)``, which
+      differs from f by a constant per query row, ``f(0, q, kv) - f(0, q_ref, kv)``, that the softmax
+      does not see.
+  score_row(b, h, q_idx, q_ref, kv_ref, MODS) -> base-2 row term    that constant, as
+      ``f(0, q_idx, kv_ref) - f(0, q_ref, kv_ref)`` for any valid key ``kv_ref``: the kernels add it
+      to the lse they store and take it off the lse their backward subtracts. Only for a separable
+      function of q_idx. With ``q_ref`` and ``kv_ref`` next to the tile's rows, every value stays as
+      small as the function's own values there, so that no precision is lost to a large ``k(kv)``
+      cancelling a large ``g(q)`` (ALiBi's ``slope * kv_idx`` at long lengths).
   score_mod_grads(ds, score, b, h, q_idx, kv_idx, MODS)        adds ds * d new / d capture[index] into the
       gradient buffer of each captured tensor that requires grad (atomics; a sum over the tile first
       where the index depends on b and h only)
@@ -201,8 +208,8 @@ def _mask_source(graph: Graph) -> str:
 
 def _score_source(graph: Graph) -> str:
     e = _Emitter(graph)
-    if graph.separable:  # the value at score 0 and query 0 is the part that varies over the keys
-        e.lines += ["    score = 0.0", "    q_idx = h * 0"]
+    if graph.separable:  # at score 0 and the reference query: the part that varies over the keys
+        e.lines += ["    score = 0.0", "    q_idx = q_ref"]
     else:
         e.lines.append("    score = qk * (qk_scale * 0.6931471805599453)  # * ln 2: the natural score")
     e.values()
@@ -213,18 +220,30 @@ def _score_source(graph: Graph) -> str:
         value = f"qk * (qk_scale * {d_out})" + (f" + {keys}" if keys else "")
     else:
         value = f"{out} * 1.4426950408889634"
-    return "\n\n@triton.jit\ndef score_mod(qk, qk_scale, b, h, q_idx, kv_idx, MODS):\n" + "\n".join(e.lines) + \
-        f"\n    return {value}, {d_out}\n"
+    return "\n\n@triton.jit\ndef score_mod(qk, qk_scale, b, h, q_idx, kv_idx, q_ref, MODS):\n" + \
+        "\n".join(e.lines) + f"\n    return {value}, {d_out}\n"
+
+
+def _row_source(graph: Graph) -> str:
+    """``score_row`` (see the module docstring) and the function at score 0 that it evaluates twice."""
+    e = _Emitter(graph)
+    e.lines.append("    score = 0.0")
+    e.values()
+    out = e.ref(graph.output) + (" * 1.0" if graph.output.kind == "int" else "")
+    return ("\n\n@triton.jit\ndef _at_score_zero(b, h, q_idx, kv_idx, MODS):\n" + "\n".join(e.lines) +
+            f"\n    return {out}\n\n\n@triton.jit\ndef score_row(b, h, q_idx, q_ref, kv_ref, MODS):\n"
+            "    row = _at_score_zero(b, h, q_idx, kv_ref, MODS) - _at_score_zero(b, h, q_ref, kv_ref, MODS)\n"
+            "    return row * 1.4426950408889634 + q_idx * 0.0  # q_idx's shape where the term is constant\n")
 
 
 def _zeros(graph: Graph) -> set[int]:
-    """The ids of the nodes that are 0 at score 0 and query 0 (the score, the query position, and
-    sums, products and quotients of them), found in one pass in evaluation order."""
+    """The ids of the nodes that are 0 at score 0 (the score, and sums, products and quotients of
+    it), found in one pass in evaluation order."""
     zeros: set[int] = set()
     zero = lambda x: isinstance(x, Node) and id(x) in zeros  # noqa: E731
     for node in graph.nodes:
         op, args = node.op, node.args
-        if ((op == "arg" and args[0] in ("score", "q_idx")) or (op in ("add", "sub") and all(map(zero, args)))
+        if ((op == "arg" and args[0] == "score") or (op in ("add", "sub") and all(map(zero, args)))
                 or (op == "neg" and zero(args[0])) or (op == "mul" and any(map(zero, args)))
                 or (op == "truediv" and zero(args[0]))):
             zeros.add(id(node))
@@ -232,9 +251,9 @@ def _zeros(graph: Graph) -> set[int]:
 
 
 def _scaled(e: _Emitter, node, factor: str, zeros: set[int]) -> str | None:
-    """An expression for ``node * factor`` at score 0 and query 0 (None where that is 0): a separable
-    score function's key term. A sum with a zero side is its other side (no vector add of a zero),
-    and factors of b and h only are multiplied into ``factor`` (scalars), so that the key vector is
+    """An expression for ``node * factor`` at score 0 (None where that is 0): a separable score
+    function's key term. A sum with a zero side is its other side (no vector add of a zero), and
+    factors of b and h only are multiplied into ``factor`` (scalars), so that the key vector is
     multiplied once. Follows one path down the graph."""
     if not isinstance(node, Node):
         return f"({node!r} * {factor})"
@@ -310,7 +329,7 @@ def _load_module(source: str) -> ModuleType:
 
 
 def helpers(mask_graph: Graph | None, score_graph: Graph | None) -> ModuleType:
-    """The module of generated helpers for these graphs (``mask_mod``, ``score_mod``,
+    """The module of generated helpers for these graphs (``mask_mod``, ``score_mod``, ``score_row``,
     ``score_mod_grads``, each None where it does not apply). The score graph's captures follow the
     mask graph's in the MODS table: its load slots are shifted here."""
     source = PRELUDE
@@ -319,10 +338,12 @@ def helpers(mask_graph: Graph | None, score_graph: Graph | None) -> ModuleType:
     if score_graph is not None:
         shifted = _shift_slots(score_graph, len(mask_graph.captures) if mask_graph is not None else 0)
         source += _score_source(shifted)
+        if shifted.separable and "q_idx" in shifted.output.deps:
+            source += _row_source(shifted)
         if any(t.requires_grad for t in shifted.captures if t.dtype.is_floating_point):
             source += _grads_source(shifted)
     module = _load_module(source)
-    for name in ("mask_mod", "score_mod", "score_mod_grads"):
+    for name in ("mask_mod", "score_mod", "score_row", "score_mod_grads"):
         if not hasattr(module, name):
             setattr(module, name, None)
     return module

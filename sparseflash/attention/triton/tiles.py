@@ -15,6 +15,8 @@ Constexpr flags the helpers take (the kernels pass their own through):
   MASK_MOD        a generated element predicate (codegen.py), applied with APPLY_MASK_MOD (partial
                   tiles), or None.
   SCORE_MOD       a generated score function (codegen.py) applied to every computed score, or None.
+  SCORE_ROW       its per-row term (codegen.py: a separable function's scores are computed at the
+                  tile's reference query ``q_ref``, and the lse gets the difference back), or None.
   DROPOUT         drop probabilities (``dropout_kept``: seed, threshold) and scale the kept ones by
                   drop_scale (sparseflash.attention.dropout states the pattern).
   ALIGNED_ROWS    a forward tile's rows are BLOCK_M consecutive queries from a multiple of 16 (the
@@ -136,18 +138,32 @@ def mod_positions(offs_m, offs_kv, q_len, kv_len):
 
 
 @triton.jit
-def modded_scores(qk, b, h, q_idx, kv_idx, qk_scale, MODS, SCORE_MOD: tl.constexpr):
+def modded_scores(qk, b, h, q_idx, kv_idx, q_ref, qk_scale, MODS, SCORE_MOD: tl.constexpr):
     """Base-2 scores of the products q.k in ``qk`` (any tile layout; q_idx and kv_idx broadcast to
-    it) and the score function's derivative with respect to the natural score (1.0 without one)."""
+    it) and the score function's derivative with respect to the natural score (1.0 without one).
+    ``q_ref``: the tile's reference query, a scalar position in the sequence (``row_term``)."""
     if SCORE_MOD is not None:
-        return SCORE_MOD(qk, qk_scale, b, h, q_idx, kv_idx, MODS)
+        return SCORE_MOD(qk, qk_scale, b, h, q_idx, kv_idx, q_ref, MODS)
     else:
         return qk * qk_scale, 1.0
 
 
 @triton.jit
+def row_term(b, h, offs_m, q_ref, q_len, kv_len, MODS, SCORE_ROW: tl.constexpr):
+    """The base-2 term per row (shape of offs_m, the rows' query positions; h a scalar or a column of
+    one per row) that scores computed at reference query q_ref leave out of a separable score
+    function: what the forward adds to its lse and the backward takes off the lse it subtracts. 0.0
+    without SCORE_ROW. The reference key is the valid key nearest the diagonal at q_ref."""
+    if SCORE_ROW is not None:
+        q_idx = tl.minimum(offs_m, q_len - 1)[:, None]
+        return tl.sum(SCORE_ROW(b, h, q_idx, q_ref, tl.minimum(q_ref, kv_len - 1), MODS), 1)
+    else:
+        return 0.0
+
+
+@triton.jit
 def key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv, offs_d,
-                    kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
+                    kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref, MODS,
                     APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr, APPLY_MASK_MOD: tl.constexpr,
                     MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
                     D_PADDED: tl.constexpr, V_TRANSPOSED: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -173,8 +189,8 @@ def key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_v
         k_t = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     q_idx, kv_idx = mod_positions(offs_m[:, None], offs_kv[None, :], q_len, kv_len)
-    s, d_score = modded_scores(mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS), b, h, q_idx, kv_idx, qk_scale, MODS,
-                               SCORE_MOD)
+    s, d_score = modded_scores(mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS), b, h, q_idx, kv_idx, q_ref, qk_scale,
+                               MODS, SCORE_MOD)
     if APPLY_CAUSAL or APPLY_KV_BOUND or APPLY_MASK_MOD:
         keep = offs_kv[None, :] < kv_bound
         if APPLY_CAUSAL:
@@ -326,18 +342,19 @@ def online_softmax_step(acc, l_i, m_i, s, v, kept, MAY_BE_EMPTY: tl.constexpr, D
 
 
 @triton.jit
-def finish_rows(acc, l_i, m_i):
-    """The rows' output (fp32, BM x D) and natural-log lse; a row that saw no key gets 0 and -inf."""
+def finish_rows(acc, l_i, m_i, row):
+    """The rows' output (fp32, BM x D) and natural-log lse, with ``row`` (``row_term``, base 2) added
+    to it; a row that saw no key gets 0 and -inf."""
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln 2
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe) + row) * 0.6931471805599453, float("-inf"))  # * ln 2
     return acc / l_safe[:, None], lse
 
 
 @triton.jit
 def forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-               t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
-               seed, drop_row, row_start, drop_threshold,
+               t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref,
+               MODS, seed, drop_row, row_start, drop_threshold,
                FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
                APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
                DROPOUT: tl.constexpr, ALIGNED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
@@ -352,9 +369,9 @@ def forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride
         kv_start = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
         offs_kv = kv_start + offs_n
         s, _, v, _ = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv,
-                                     offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS, APPLY_CAUSAL,
-                                     APPLY_KV_BOUND, APPLY_MASK_MOD, MASK_MOD, SCORE_MOD, D_PADDED, False,
-                                     DOT_PRECISION, WIDEN_DOTS)
+                                     offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref, MODS,
+                                     APPLY_CAUSAL, APPLY_KV_BOUND, APPLY_MASK_MOD, MASK_MOD, SCORE_MOD, D_PADDED,
+                                     False, DOT_PRECISION, WIDEN_DOTS)
         kept = forward_kept(seed, drop_row, row_start, kv_start, offs_m, offs_kv, drop_threshold, DROPOUT,
                             ALIGNED_ROWS)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, kept, MAY_BE_EMPTY, DROPOUT, DOT_PRECISION,
@@ -366,16 +383,17 @@ def forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride
 @triton.jit
 def forward_row(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, full_lo, full_hi, full_idx,
                 part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
-                MODS, seed, drop_row, row_start, drop_threshold, drop_scale,
+                q_ref, MODS, seed, drop_row, row_start, drop_threshold, drop_scale,
                 MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
-                EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, DROPOUT: tl.constexpr,
-                ALIGNED_ROWS: tl.constexpr,
+                EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_ROW: tl.constexpr,
+                DROPOUT: tl.constexpr, ALIGNED_ROWS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
                 HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 WIDEN_DOTS: tl.constexpr):
     """The rows' output (fp32, BLOCK_M x HEAD_DIM) and lse over their unmasked tiles [full_lo, full_hi),
     then their masked tiles [part_lo, part_hi) (``row_tile_ranges``' runs, or a share of them); with
-    DROPOUT the output of the kept probabilities, scaled by drop_scale."""
+    DROPOUT the output of the kept probabilities, scaled by drop_scale. ``q_ref``: a query position
+    next to the rows, their reference for a separable score function (``row_term``)."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -385,17 +403,17 @@ def forward_row(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, f
     PART_NEEDS_BOUND: tl.constexpr = HAS_KEY_LENGTHS or not EVEN_LENGTHS
     acc, l_i, m_i = forward_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        full_lo, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS,
-        seed, drop_row, row_start, drop_threshold, WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD, SCORE_MOD,
-        DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+        full_lo, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref,
+        MODS, seed, drop_row, row_start, drop_threshold, WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD,
+        SCORE_MOD, DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     if part_hi > part_lo:  # rows without partial blocks skip the masked run's set-up and drain
         acc, l_i, m_i = forward_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
             part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
-            MODS, seed, drop_row, row_start, drop_threshold, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND,
+            q_ref, MODS, seed, drop_row, row_start, drop_threshold, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND,
             MASK_MOD is not None, MASK_MOD, SCORE_MOD, DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N, D_PADDED,
             DOT_PRECISION, WIDEN_DOTS)
-    o, lse = finish_rows(acc, l_i, m_i)
+    o, lse = finish_rows(acc, l_i, m_i, row_term(b, h, offs_m, q_ref, q_len, kv_len, MODS, SCORE_ROW))
     if DROPOUT:
         o = o * drop_scale
     return o, lse
