@@ -43,10 +43,11 @@ def compile_variant(spec: str):
                      SPARSE_BLOCK_M=128, SPARSE_BLOCK_N=128, HEAD_DIM=int(head_dim), D_PADDED=False,
                      DOT_PRECISION="ieee", WIDEN_DOTS=False,
                      EVEN_LENGTHS=kind != "sparse" and "ragged" not in rest, MASK_MOD=None, SCORE_MOD=None,
-                     SCORE_ROW=None, DROPOUT="dropout" in rest)
+                     SCORE_KEYS=None, SCORE_ROW=None, DROPOUT="dropout" in rest)
     for name in set(rest) & {"alibi", "softcap"}:
         generated = codegen.helpers(None, trace(make_score_mod(name, 16), "score_mod"))
-        constants.update(SCORE_MOD=generated.score_mod, SCORE_ROW=generated.score_row)
+        constants.update(SCORE_MOD=generated.score_mod, SCORE_KEYS=generated.score_keys,
+                         SCORE_ROW=generated.score_row)
     if kernel == "pfwd":
         constants.update(NUM_PROGRAMS=132, MASK_EVERY_TILE=False)
     elif kernel == "dec":

@@ -97,6 +97,17 @@ class Graph:
             known[id(node)] = _separable(node, lambda x: not isinstance(x, Node) or known[id(x)])
         return self.output is not None and known[id(self.output)]
 
+    @property
+    def linear_in_keys(self) -> bool:
+        """Whether the function is separable with a key term linear in the key position: ``a(b, h) *
+        score + g(b, h, q_idx) + c(b, h) * kv_idx`` (ALiBi, any bias linear in the distance). The
+        kernels then compute the term's steps ``c * j`` over a key tile's offsets j once, and one value
+        per tile (codegen.py)."""
+        known: dict[int, bool] = {}
+        for node in self.nodes:
+            known[id(node)] = _linear_in_keys(node, lambda x: not isinstance(x, Node) or known[id(x)])
+        return self.separable and known[id(self.output)]
+
     def key(self) -> str:
         """The graph as text: its nodes (op, kind and arguments), output, and its captures' dtypes, ranks and
         whether they require grad. It is what generated code depends on, and ``Graph.parse`` reads it back."""
@@ -168,6 +179,23 @@ def _separable(node: Node, separable: Callable) -> bool:
         if node.op == "mul" and of_batch_and_head(first):
             return separable(second)
         return of_batch_and_head(second) and separable(first)
+    return False
+
+
+def _linear_in_keys(node: Node, linear: Callable) -> bool:
+    """``node`` is affine in kv_idx (see ``Graph.linear_in_keys``), given ``linear(arg)`` for its arguments."""
+    free = lambda x: not isinstance(x, Node) or "kv_idx" not in x.deps  # noqa: E731
+    if free(node) or node.op == "arg":  # no key position, or kv_idx itself
+        return True
+    first, second = (node.args + (None,))[:2]
+    if node.op in ("add", "sub"):
+        return linear(first) and linear(second)
+    if node.op == "neg":
+        return linear(first)
+    if node.op == "mul":
+        return (free(first) and linear(second)) or (free(second) and linear(first))
+    if node.op == "truediv":
+        return free(second) and linear(first)
     return False
 
 

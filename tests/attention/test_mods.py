@@ -150,15 +150,19 @@ def test_learnable_bias_gets_its_gradient_on_every_backend():
         assert torch.allclose(grads[backend], want, rtol=1e-4, atol=1e-5), backend
 
 
-def _linear_in_positions(heads: int, q_len: int, kv_len: int, device):
-    """A separable score function (``Graph.separable``) with learnable per-head slopes, per-query and
-    per-key terms: the kernels take its scores at one query per tile and add the difference per row
-    to the lse."""
+def _linear_in_positions(heads: int, q_len: int, kv_len: int, device, key_table: bool):
+    """A separable score function (``Graph.separable``) with learnable per-head slopes and a per-query
+    term (integer division on the position), and with ``key_table`` a per-key one: the kernels take
+    its scores at one query per tile and add the difference per row to the lse; without the table
+    its key term is linear in kv_idx (``Graph.linear_in_keys``: steps computed once, one value per
+    key tile)."""
     slopes, per_query, per_key = _table((heads,), device), _table((q_len,), device), _table((kv_len,), device)
 
     def linear(score, b, h, q_idx, kv_idx):
-        return score * 0.75 + slopes[h] * (kv_idx - q_idx) * 0.05 + per_query[q_idx] * 3.0 - per_key[kv_idx]
-    assert trace(linear, "score_mod").separable
+        terms = score * 0.75 + slopes[h] * (kv_idx - q_idx) * 0.05 + per_query[q_idx // 3] * 3.0
+        return terms - per_key[kv_idx] if key_table else terms
+    graph = trace(linear, "score_mod")
+    assert graph.separable and graph.linear_in_keys is not key_table
     return linear
 
 
@@ -166,64 +170,72 @@ SEPARABLE_CASES = [  # q_len, kv_len, dim, dtype, gqa, key_lengths, compiler
     (100, 100, 16, torch.float32, False, False, None),
     (70, 130, 8, torch.bfloat16, True, True, None),
     (90, 60, 16, torch.float16, False, False, "aot_eager"),
+    (5, 300, 16, torch.bfloat16, True, False, None),  # decoding: the split-KV forward, its tile at query 0
 ]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("key_table", [True, False], ids=["key-table", "linear-in-keys"])
 @pytest.mark.parametrize("case", SEPARABLE_CASES, ids=lambda c: "-".join(
     [f"sq{c[0]}", f"skv{c[1]}", f"d{c[2]}", str(c[3]).removeprefix("torch."), "gqa" if c[4] else "mha",
      "keylen" if c[5] else "nokeylen", c[6] or "eager"]))
-def test_separable_score_function_through_o_and_lse(case, backend):
+def test_separable_score_function_through_o_and_lse(case, key_table, backend):
     """o, the lse (to which the kernels add the per-row term their scores leave out) and every gradient
     of a loss of both, the captured tensors' included, against the reference; rows that see no key stay
     0 / -inf."""
-    _check_separable(case, backend, "cpu")
+    _check_separable(case, backend, "cpu", key_table)
 
 
-def _check_separable(case, backend, device, batch=2, heads=4):
+def _check_separable(case, backend, device, key_table, batch=2, heads=4):
     q_len, kv_len, dim, dtype, gqa, key_lengths, compiler = case
     torch._dynamo.reset()
     q, k, v, do = _inputs(batch, heads, heads // 2 if gqa else heads, q_len, kv_len, dim, dtype, device)
-    score_mod = _linear_in_positions(heads, q_len, kv_len, device)
+    score_mod = _linear_in_positions(heads, q_len, kv_len, device, key_table)
     mask, _ = _mask("empty-rows", q_len, kv_len, batch, heads, device)
     lengths = torch.tensor([kv_len * 2 // 3 + 1, 0], device=device) if key_lengths else None
     dlse = torch.randn(batch, heads, q_len, device=device)
     got = check_backend(backend, q, k, v, mask, do, lengths, dlse=dlse, score_mod=score_mod, compiler=compiler)
     assert torch.all(got.lse[:, :, 10:50] == float("-inf")) and not got.lse.isnan().any()
-    assert len(got.dcaptures) == 3 and all(g.abs().sum() > 0 for g in got.dcaptures)
+    assert len(got.dcaptures) == (3 if key_table else 2) and all(g.abs().sum() > 0 for g in got.dcaptures)
 
 
-def _far_along(q_len: int, heads: int, device, dtype=torch.float32, dim=16):
-    """Inputs, a causal window of 100 and ALiBi with steep slopes: far along the sequence its key term
-    ``slope * kv_idx`` is large while the scores a row sees stay small."""
+def _far_along(q_len: int, heads: int, device, key_table: bool, dtype=torch.float32, dim=16):
+    """Inputs, a causal window of 100 and ALiBi with steep slopes (with ``key_table`` plus a per-key
+    table, which takes the kernels' other path: the key term evaluated on each tile's keys): far
+    along the sequence its key term ``slope * kv_idx`` is large while the scores a row sees stay small."""
     q, k, v, do = _inputs(1, heads, heads, q_len, q_len, dim, dtype, device)
     slopes = torch.tensor([0.5, 0.125] * (heads // 2), device=device)
+    per_key = torch.randn(q_len, device=device) * 0.1
 
     def alibi(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx)
+        biased = score + slopes[h] * (kv_idx - q_idx)
+        return biased + per_key[kv_idx] if key_table else biased
+    assert trace(alibi, "score_mod").linear_in_keys is not key_table
     mask = masks.make("sliding_window", q_len, block=64, window=100, causal=True, device=device)
     return q, k, v, do, mask, alibi, torch.randn(1, heads, q_len, device=device)
 
 
-def test_separable_score_function_keeps_fp32_precision_far_along_the_sequence():
+@pytest.mark.parametrize("key_table", [False, True], ids=["alibi", "alibi-and-key-table"])
+def test_separable_score_function_keeps_fp32_precision_far_along_the_sequence(key_table):
     """The kernels evaluate a separable function's key term at a query of each tile, so fp32 o, lse and
     gradients stay within fp32's tolerance at position 3000 (at query 0 the term reaches slope * 3000, and
     its rounding, and that of adding the per-query term back to the lse, alone exceed it)."""
-    q, k, v, do, mask, alibi, dlse = _far_along(3001, 2, "cpu")
+    q, k, v, do, mask, alibi, dlse = _far_along(3001, 2, "cpu", key_table)
     check_backend("triton", q, k, v, mask, do, dlse=dlse, score_mod=alibi)
 
 
 @pytest.mark.gpu
 def test_gpu_separable_score_function_keeps_precision_far_along_the_sequence():
     """As on the CPU, at 8,192 tokens in bf16 with head_dim 128: the lse within its fp32 bound."""
-    q, k, v, do, mask, alibi, dlse = _far_along(8192, 2, "cuda", torch.bfloat16, 128)
+    q, k, v, do, mask, alibi, dlse = _far_along(8192, 2, "cuda", False, torch.bfloat16, 128)
     check_backend("triton", q, k, v, mask, do, dlse=dlse, score_mod=alibi)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("key_table", [True, False], ids=["key-table", "linear-in-keys"])
 @pytest.mark.parametrize("compiler", [None, "inductor"], ids=["eager", "inductor"])
-def test_gpu_separable_score_function_through_o_and_lse(compiler):
-    _check_separable((2048, 2048, 128, torch.bfloat16, True, True, compiler), "triton", "cuda")
+def test_gpu_separable_score_function_through_o_and_lse(compiler, key_table):
+    _check_separable((2048, 2048, 128, torch.bfloat16, True, True, compiler), "triton", "cuda", key_table)
 
 
 GPU_CASES = [

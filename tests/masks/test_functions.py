@@ -249,25 +249,28 @@ def test_building_a_function_mask_imports_no_symbolic_machinery():
 
 
 _SLOPES, _TABLE = torch.rand(4) + 0.1, torch.rand(4, 9)
-SEPARABLE = {  # name: (score function, separable)
-    "alibi": (lambda s, b, h, q, kv: s + _SLOPES[h] * (kv - q), True),
-    "distance-times-head": (lambda s, b, h, q, kv: s - _SLOPES[h] * (h + 1) * (q - kv), True),
-    "scaled-score-key-table-query-term": (lambda s, b, h, q, kv: s * _SLOPES[h] * 2.0 + _TABLE[h, kv % 9] - q * 0.5, True),
-    "divided": (lambda s, b, h, q, kv: (s + kv) / 2.0 - q, True),
-    "position-product": (lambda s, b, h, q, kv: s + q * kv, False),
-    "score-squared": (lambda s, b, h, q, kv: s * s, False),
-    "score-times-query": (lambda s, b, h, q, kv: s * q, False),
-    "where-on-positions": (lambda s, b, h, q, kv: torch.where(q >= kv, s, s - 1.0), False),
-    "table-of-the-distance": (lambda s, b, h, q, kv: s + _TABLE[h, (kv - q) % 9], False),
-    "softcap": (lambda s, b, h, q, kv: torch.tanh(s / 2.0) * 2.0, False),
+SEPARABLE = {  # name: (score function, separable, linear in the key position)
+    "alibi": (lambda s, b, h, q, kv: s + _SLOPES[h] * (kv - q), True, True),
+    "distance-times-head": (lambda s, b, h, q, kv: s - _SLOPES[h] * (h + 1) * (q - kv), True, True),
+    "scaled-score-key-table-query-term": (lambda s, b, h, q, kv: s * _SLOPES[h] * 2.0 + _TABLE[h, kv % 9] - q * 0.5,
+                                          True, False),
+    "divided": (lambda s, b, h, q, kv: (s + kv) / 2.0 - q, True, True),
+    "per-query-only": (lambda s, b, h, q, kv: s + _TABLE[h, q % 9], True, True),
+    "key-squared": (lambda s, b, h, q, kv: s + kv * kv * 0.01 - q, True, False),
+    "position-product": (lambda s, b, h, q, kv: s + q * kv, False, False),
+    "score-squared": (lambda s, b, h, q, kv: s * s, False, False),
+    "score-times-query": (lambda s, b, h, q, kv: s * q, False, False),
+    "where-on-positions": (lambda s, b, h, q, kv: torch.where(q >= kv, s, s - 1.0), False, False),
+    "table-of-the-distance": (lambda s, b, h, q, kv: s + _TABLE[h, (kv - q) % 9], False, False),
+    "softcap": (lambda s, b, h, q, kv: torch.tanh(s / 2.0) * 2.0, False, False),
 }
 
 
 @pytest.mark.parametrize("name", sorted(SEPARABLE))
 def test_separable_functions_are_linear_in_the_score_without_mixed_position_terms(name):
-    fn, separable = SEPARABLE[name]
+    fn, separable, linear = SEPARABLE[name]
     graph = trace(fn, "score_mod")
-    assert graph.separable is separable
+    assert graph.separable is separable and graph.linear_in_keys is linear
     if separable:  # f(s, q, kv) - f(s, q_ref, kv) = f(0, q, kv_ref) - f(0, q_ref, kv_ref) for any references:
         # the kernels' scores at the tile's reference query differ from f by their row term (codegen.py)
         b, h = torch.arange(2)[:, None, None, None], torch.arange(4)[None, :, None, None]
@@ -278,3 +281,11 @@ def test_separable_functions_are_linear_in_the_score_without_mixed_position_term
             row = fn(zero, b, h, q, kv_at) - fn(zero, b, h, q_at, kv_at)
             got = fn(s, b, h, q, kv) - fn(s, b, h, q_at, kv)
             assert torch.allclose(got, torch.broadcast_to(row, got.shape).float(), atol=1e-5)
+    if linear:  # f(s, q, kv0 + j) - f(s, q, kv0) = f(0, 0, j) - f(0, 0, 0): steps computed once, one value a tile
+        b, h = torch.arange(2)[:, None, None, None], torch.arange(4)[None, :, None, None]
+        q, j = torch.arange(7)[None, None, :, None], torch.arange(5)[None, None, None, :]
+        s, zero = torch.randn(2, 4, 7, 5), torch.zeros(())
+        for kv0 in (0, 3, 11):
+            got = fn(s, b, h, q, kv0 + j) - fn(s, b, h, q, torch.full_like(j, kv0))
+            steps = fn(zero, b, h, torch.zeros_like(q), j) - fn(zero, b, h, torch.zeros_like(q), torch.zeros_like(j))
+            assert torch.allclose(got, torch.broadcast_to(steps, got.shape).float(), atol=1e-5)

@@ -7,8 +7,8 @@ SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS), an
             both sides of the mask blocks);
   HAS_DLSE  the loss also depends on lse: d lse / d s = p, so delta becomes rowsum(o * do) - dlse.
   PROGRAMS  0: both kinds of program in one launch; 1: only dK/dV; 2: only dQ.
-  MASK_MOD, SCORE_MOD, SCORE_ROW  as in forward.py; the backward scales dS by SCORE_MOD's derivative,
-            and takes SCORE_ROW's term of each query tile off the lse it subtracts.
+  MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW  as in forward.py; the backward scales dS by SCORE_MOD's
+            derivative, and takes SCORE_ROW's term of each query tile off the lse it subtracts.
   DROPOUT   as in forward.py: the same scores are dropped again (``tiles.dropout_kept_tile``); dV takes
             the kept probabilities, scaled, and dS = p * (kept * dP * dropout_scale - delta).
   SCORE_MOD_GRADS  a generated function (codegen.py) that adds the gradients of the score function's
@@ -39,9 +39,9 @@ import triton.language as tl
 
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import LaunchPlan
-from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, dropout_kept_tile, key_tile_scores, listed_block,
-                                               load_seed, mma, mod_positions, modded_scores, row_term, row_tile_ranges,
-                                               tile_start)
+from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, dropout_kept_tile, key_steps, key_tile_scores,
+                                               listed_block, load_seed, mma, mod_positions, modded_scores, row_term,
+                                               row_tile_ranges, tile_start)
 from sparseflash.attention.triton.tuning import KernelConfig, planned, run_tuned
 
 
@@ -112,7 +112,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
                 seed, drop_row, drop_threshold, drop_scale,
                 FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_ROW_BOUND: tl.constexpr,
                 APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-                SCORE_ROW: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr, DROPOUT: tl.constexpr,
+                SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr, DROPOUT: tl.constexpr,
                 BLOCK_M: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, D_PADDED: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles t_lo..t_hi-1 (transposed scores).
@@ -121,6 +121,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
     of the score function's captured tensors. With DROPOUT, dV is left unscaled (the caller scales it).
     """
     offs_m0 = tl.arange(0, BLOCK_M)
+    keys = key_steps(b, h, (offs_n - start_n)[:, None], MODS, SCORE_KEYS)
     block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M)
     for t in range(t_lo, t_hi):
         q_start = tile_start(t, block, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M)
@@ -136,10 +137,11 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
             do = tl.load(do_ptrs)
         lse, delta = _load_row_stats(LSE2, DELTA, row_off, offs_m, q_len, APPLY_ROW_BOUND)
         if SCORE_ROW is not None:  # the scores are taken at reference query q_start (codegen.py)
-            lse -= row_term(b, h, offs_m, q_start, q_len, kv_len, MODS, SCORE_ROW)
+            lse -= row_term(b, h, tl.minimum(offs_m, q_len - 1), q_start, kv_len, MODS, SCORE_ROW)
         qk_t = mma(k, tl.trans(q), None, DOT_PRECISION, WIDEN_DOTS)  # (BN, BM)
         q_idx, kv_idx = mod_positions(offs_m[None, :], offs_n[:, None], q_len, kv_len)
-        s_t, d_score = modded_scores(qk_t, b, h, q_idx, kv_idx, q_start, qk_scale, MODS, SCORE_MOD)
+        s_t, d_score = modded_scores(qk_t, b, h, q_idx, kv_idx, q_start, start_n, keys, qk_scale, MODS, SCORE_MOD,
+                                     SCORE_KEYS)
         if APPLY_CAUSAL or APPLY_MASK_MOD:
             if APPLY_CAUSAL:
                 keep = offs_m[None, :] >= offs_n[:, None]
@@ -183,8 +185,8 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_ROW: tl.constexpr,
-    SCORE_MOD_GRADS: tl.constexpr, DROPOUT: tl.constexpr,
+    EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_KEYS: tl.constexpr,
+    SCORE_ROW: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """dK, dV of key tile ``key_tile`` (BLOCK_N keys) of key/value head hk, batch b."""
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
@@ -223,15 +225,17 @@ def _dkdv_program(
                              stride_qm, stride_qd, stride_dom, stride_dod, full_lo, full_hi, full_idx,
                              start_n, offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
                              seed, drop_row, dropout_threshold, dropout_scale,
-                             WALK_TABLES, False, FULL_ROWS_BOUNDED, False, MASK_MOD, SCORE_MOD, SCORE_ROW,
-                             SCORE_MOD_GRADS, DROPOUT, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+                             WALK_TABLES, False, FULL_ROWS_BOUNDED, False, MASK_MOD, SCORE_MOD, SCORE_KEYS,
+                             SCORE_ROW, SCORE_MOD_GRADS, DROPOUT, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION,
+                             WIDEN_DOTS)
         if part_hi > part_lo:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
                                  stride_qm, stride_qd, stride_dom, stride_dod, part_lo, part_hi, part_idx,
                                  start_n, offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
                                  seed, drop_row, dropout_threshold, dropout_scale,
                                  WALK_TABLES, IS_CAUSAL, not EVEN_LENGTHS, MASK_MOD is not None, MASK_MOD,
-                                 SCORE_MOD, SCORE_ROW, SCORE_MOD_GRADS, DROPOUT, BLOCK_M, SPARSE_BLOCK_M, D_PADDED,
+                                 SCORE_MOD, SCORE_KEYS, SCORE_ROW, SCORE_MOD_GRADS, DROPOUT, BLOCK_M, SPARSE_BLOCK_M,
+                                 D_PADDED,
                                  DOT_PRECISION, WIDEN_DOTS)
     visible = offs_n[:, None] < kv_bound  # masked keys get exactly zero gradient
     dk = tl.where(visible, dk * scale, 0.0)
@@ -248,18 +252,21 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
               t_lo, t_hi, idx_ptr, q_start, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
               MODS, seed, drop_row, drop_threshold, drop_scale,
               FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
-              APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, DROPOUT: tl.constexpr,
+              APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+              SCORE_KEYS: tl.constexpr, DROPOUT: tl.constexpr,
               BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Accumulate dQ of one query tile over key tiles t_lo..t_hi-1."""
+    keys = key_steps(b, h, offs_n[None, :], MODS, SCORE_KEYS)
     block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     for t in range(t_lo, t_hi):
         kv_start = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
         offs_kv = kv_start + offs_n
         s, k_t, v_t, d_score = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m,
                                                offs_kv, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
-                                               q_start, MODS, APPLY_CAUSAL, APPLY_KV_BOUND, APPLY_MASK_MOD, MASK_MOD,
-                                               SCORE_MOD, D_PADDED, True, DOT_PRECISION, WIDEN_DOTS)
+                                               q_start, kv_start, keys, MODS, APPLY_CAUSAL, APPLY_KV_BOUND,
+                                               APPLY_MASK_MOD, MASK_MOD, SCORE_MOD, SCORE_KEYS, D_PADDED, True,
+                                               DOT_PRECISION, WIDEN_DOTS)
         p = tl.math.exp2(s - lse[:, None])
         dp = mma(do, v_t, None, DOT_PRECISION, WIDEN_DOTS)
         if DROPOUT:
@@ -286,8 +293,8 @@ def _dq_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_ROW: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_KEYS: tl.constexpr,
+    SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """dQ of query tile ``query_tile`` (BLOCK_M queries) of query head h, batch b."""
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
@@ -304,7 +311,7 @@ def _dq_program(
                  mask=rows_in, other=0.0)
     lse, delta = _load_row_stats(LSE2, DELTA, bh * stats_stride, offs_m, q_len, True)
     if SCORE_ROW is not None:  # the scores are taken at reference query q_start (codegen.py)
-        lse -= row_term(b, h, offs_m, q_start, q_len, kv_len, MODS, SCORE_ROW)
+        lse -= row_term(b, h, tl.minimum(offs_m, q_len - 1), q_start, kv_len, MODS, SCORE_ROW)
     k_base = K + b * stride_kb + (h // groups) * stride_kh
     v_base = V + b * stride_vb + (h // groups) * stride_vh
     kv_bound = kv_len
@@ -321,12 +328,14 @@ def _dq_program(
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                    0, full_hi, full_idx, q_start, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len,
                    kv_len, MODS, seed, bh, dropout_threshold, dropout_scale, WALK_TABLES, False, FULL_NEEDS_BOUND,
-                   False, MASK_MOD, SCORE_MOD, DROPOUT, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+                   False, MASK_MOD, SCORE_MOD, SCORE_KEYS, DROPOUT, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
+                   WIDEN_DOTS)
     if part_hi > part_lo:
         dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                        part_lo, part_hi, part_idx, q_start, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b,
                        h, q_len, kv_len, MODS, seed, bh, dropout_threshold, dropout_scale, WALK_TABLES, IS_CAUSAL,
-                       PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD, SCORE_MOD, DROPOUT, BLOCK_N, SPARSE_BLOCK_N,
+                       PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD, SCORE_MOD, SCORE_KEYS, DROPOUT, BLOCK_N,
+                       SPARSE_BLOCK_N,
                        D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     out = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=rows_in)
@@ -354,7 +363,8 @@ def _attn_bwd(
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-    SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr, PROGRAMS: tl.constexpr,
+    SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr,
+    PROGRAMS: tl.constexpr,
 ):
     """Grid (key tiles + groups x query tiles, batch x kv_heads): the first programs of a row are
     dK/dV programs (BLOCK_M keys held, BLOCK_N queries streamed), the rest dQ programs of the
@@ -378,7 +388,7 @@ def _attn_bwd(
             tile, b, hk, heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
             seed, dropout_threshold, dropout_scale,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_N, BLOCK_M, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_ROW,
+            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
             SCORE_MOD_GRADS, DROPOUT)
     else:
         if PROGRAMS == 0:
@@ -396,7 +406,8 @@ def _attn_bwd(
             query_tile, b, hk * groups + tile // n_q_tiles, heads, groups, q_len, kv_len, head_dim,
             qk_scale, scale, stats_stride, seed, dropout_threshold, dropout_scale,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_ROW, DROPOUT)
+            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
+            DROPOUT)
 
 
 # ---------------------------------------------------------------------------------- launcher

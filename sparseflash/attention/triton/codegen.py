@@ -1,16 +1,22 @@
 """Mask and score functions -> ``@triton.jit`` helpers, generated from their traced graphs and cached.
 
-For a (mask_mod, score_mod) pair, ``helpers`` returns a module of up to four functions, which the
-kernels take as constexpr arguments (MASK_MOD, SCORE_MOD, SCORE_ROW, SCORE_MOD_GRADS; None where absent):
+For a (mask_mod, score_mod) pair, ``helpers`` returns a module of up to five functions, which the
+kernels take as constexpr arguments (MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW, SCORE_MOD_GRADS; None
+where absent):
 
   mask_mod(b, h, q_idx, kv_idx, MODS) -> bool                   the element predicate of partial tiles
-  score_mod(qk, qk_scale, b, h, q_idx, kv_idx, q_ref, MODS) -> (base-2 score, d new / d score)   the
-      score function of every computed product q.k, whose natural score is ``qk * qk_scale * ln 2``;
-      the forward uses the value only (the compiler drops the derivative). A ``Graph.separable``
-      function ``f = a * score + g(q_idx) + k(kv_idx)`` is evaluated on the key positions only (a
-      vector) at the tile's reference query ``q_ref``: ``a * score + f(0, q_ref, kv_idx)``, which
-      differs from f by a constant per query row, ``f(0, q, kv) - f(0, q_ref, kv)``, that the softmax
-      does not see.
+  score_mod(qk, qk_scale, b, h, q_idx, kv_idx, q_ref, keys, MODS) -> (base-2 score, d new / d score)
+      the score function of every computed product q.k, whose natural score is ``qk * qk_scale *
+      ln 2``; the forward uses the value only (the compiler drops the derivative). A
+      ``Graph.separable`` function ``f = a * score + g(q_idx) + k(kv_idx)`` is evaluated on the key
+      positions only (a vector) at the tile's reference query ``q_ref``: ``a * score + f(0, q_ref,
+      kv_idx)``, which differs from f by a constant per query row, ``f(0, q, kv) - f(0, q_ref, kv)``,
+      that the softmax does not see. Where ``k`` is linear (``Graph.linear_in_keys``), kv_idx is the
+      tile's first key (a scalar) and ``keys`` holds score_keys' steps over the tile: one value per
+      tile and one add per key. ``keys`` is unused otherwise.
+  score_keys(b, h, offs, MODS) -> base-2 steps    ``f(0, 0, offs) - f(0, 0, 0)`` for key offsets
+      ``offs`` within a tile (0 <= offs < its width), computed once per program; only where
+      ``Graph.linear_in_keys``.
   score_row(b, h, q_idx, q_ref, kv_ref, MODS) -> base-2 row term    that constant, as
       ``f(0, q_idx, kv_ref) - f(0, q_ref, kv_ref)`` for any valid key ``kv_ref``: the kernels add it
       to the lse they store and take it off the lse their backward subtracts. Only for a separable
@@ -209,31 +215,50 @@ def _mask_source(graph: Graph) -> str:
 def _score_source(graph: Graph) -> str:
     e = _Emitter(graph)
     if graph.separable:  # at score 0 and the reference query: the part that varies over the keys
-        e.lines += ["    score = 0.0", "    q_idx = q_ref"]
+        e.lines += ["    score = 0.0", "    q_idx = q_ref + h * 0  # a tensor, as integer ops on constants may not be"]
     else:
         e.lines.append("    score = qk * (qk_scale * 0.6931471805599453)  # * ln 2: the natural score")
     e.values()
     d_out = e.derivative(next((n for n in graph.nodes if n.op == "arg" and n.args[0] == "score"), None))
     out = e.ref(graph.output) + (" * 1.0" if graph.output.kind == "int" else "")
-    if graph.separable:
-        keys = _scaled(e, graph.output, "1.4426950408889634", _zeros(graph))
-        value = f"qk * (qk_scale * {d_out})" + (f" + {keys}" if keys else "")
+    if graph.linear_in_keys:  # at the tile's first key (scalars), then its steps over the tile
+        value = f"qk * (qk_scale * {d_out}) + (keys + {out} * 1.4426950408889634)"
+    elif graph.separable:
+        key_term = _scaled(e, graph.output, "1.4426950408889634", _zeros(graph))
+        value = f"qk * (qk_scale * {d_out})" + (f" + {key_term}" if key_term else "")
     else:
         value = f"{out} * 1.4426950408889634"
-    return "\n\n@triton.jit\ndef score_mod(qk, qk_scale, b, h, q_idx, kv_idx, q_ref, MODS):\n" + \
+    return "\n\n@triton.jit\ndef score_mod(qk, qk_scale, b, h, q_idx, kv_idx, q_ref, keys, MODS):\n" + \
         "\n".join(e.lines) + f"\n    return {value}, {d_out}\n"
 
 
-def _row_source(graph: Graph) -> str:
-    """``score_row`` (see the module docstring) and the function at score 0 that it evaluates twice."""
+def _at_score_zero_source(graph: Graph) -> str:
+    """``_at_score_zero(b, h, q_idx, kv_idx, MODS)``: the function's value at score 0, in its own units."""
     e = _Emitter(graph)
     e.lines.append("    score = 0.0")
     e.values()
     out = e.ref(graph.output) + (" * 1.0" if graph.output.kind == "int" else "")
-    return ("\n\n@triton.jit\ndef _at_score_zero(b, h, q_idx, kv_idx, MODS):\n" + "\n".join(e.lines) +
-            f"\n    return {out}\n\n\n@triton.jit\ndef score_row(b, h, q_idx, q_ref, kv_ref, MODS):\n"
-            "    row = _at_score_zero(b, h, q_idx, kv_ref, MODS) - _at_score_zero(b, h, q_ref, kv_ref, MODS)\n"
-            "    return row * 1.4426950408889634 + q_idx * 0.0  # q_idx's shape where the term is constant\n")
+    return "\n\n@triton.jit\ndef _at_score_zero(b, h, q_idx, kv_idx, MODS):\n" + "\n".join(e.lines) + \
+        f"\n    return {out}\n"
+
+
+ROW_SOURCE = """
+
+@triton.jit
+def score_row(b, h, q_idx, q_ref, kv_ref, MODS):
+    zero = q_idx * 0  # every position a tensor of q_idx's shape (q_ref may be a constant)
+    row = _at_score_zero(b, h, q_idx, kv_ref + zero, MODS) - _at_score_zero(b, h, q_ref + zero, kv_ref + zero, MODS)
+    return row * 1.4426950408889634 + zero
+"""
+
+KEYS_SOURCE = """
+
+@triton.jit
+def score_keys(b, h, offs, MODS):
+    zero = offs * 0  # every position a tensor of offs' shape
+    steps = _at_score_zero(b, h, zero, offs, MODS) - _at_score_zero(b, h, zero, zero, MODS)
+    return steps * 1.4426950408889634 + zero
+"""
 
 
 def _zeros(graph: Graph) -> set[int]:
@@ -329,8 +354,8 @@ def _load_module(source: str) -> ModuleType:
 
 
 def helpers(mask_graph: Graph | None, score_graph: Graph | None) -> ModuleType:
-    """The module of generated helpers for these graphs (``mask_mod``, ``score_mod``, ``score_row``,
-    ``score_mod_grads``, each None where it does not apply). The score graph's captures follow the
+    """The module of generated helpers for these graphs (``mask_mod``, ``score_mod``, ``score_keys``,
+    ``score_row``, ``score_mod_grads``, each None where it does not apply). The score graph's captures follow the
     mask graph's in the MODS table: its load slots are shifted here."""
     source = PRELUDE
     if mask_graph is not None:
@@ -338,12 +363,14 @@ def helpers(mask_graph: Graph | None, score_graph: Graph | None) -> ModuleType:
     if score_graph is not None:
         shifted = _shift_slots(score_graph, len(mask_graph.captures) if mask_graph is not None else 0)
         source += _score_source(shifted)
-        if shifted.separable and "q_idx" in shifted.output.deps:
-            source += _row_source(shifted)
+        if shifted.separable:
+            source += _at_score_zero_source(shifted)
+            source += ROW_SOURCE if "q_idx" in shifted.output.deps else ""
+            source += KEYS_SOURCE if shifted.linear_in_keys else ""
         if any(t.requires_grad for t in shifted.captures if t.dtype.is_floating_point):
             source += _grads_source(shifted)
     module = _load_module(source)
-    for name in ("mask_mod", "score_mod", "score_row", "score_mod_grads"):
+    for name in ("mask_mod", "score_mod", "score_keys", "score_row", "score_mod_grads"):
         if not hasattr(module, name):
             setattr(module, name, None)
     return module

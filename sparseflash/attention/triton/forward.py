@@ -16,6 +16,7 @@ Constexpr flags (one kernel body, specialised by the compiler):
   MASK_MOD        SPARSE only: a generated element predicate (codegen.py) for the partial blocks, or None.
   SCORE_MOD       a generated score function (codegen.py) for every computed score, or None; both read
                   their captured tensors through the MODS table.
+  SCORE_KEYS      the steps of a score function's key term linear in kv_idx (codegen.py), or None.
   SCORE_ROW       a separable score function's term per query row (codegen.py), added to the lse, or None.
   DROPOUT         drop probabilities with the seed at SEED: a score is dropped when its random byte
                   is below dropout_threshold, a kept one scaled by dropout_scale
@@ -58,7 +59,7 @@ def _attn_fwd(
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-    SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr,
+    SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
     tl.static_assert(SPARSE_BLOCK_N % BLOCK_N == 0, "BLOCK_N must divide SPARSE_BLOCK_N")
@@ -87,8 +88,8 @@ def _attn_fwd(
         q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, 0, full_hi, full_idx, part_lo, part_hi,
         part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_start, MODS,
         load_seed(SEED, DROPOUT), bh, q_start, dropout_threshold, dropout_scale,
-        MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_ROW, DROPOUT, True,
-        BLOCK_M, BLOCK_N, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+        MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW, DROPOUT,
+        True, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim))
     tl.store(LSE + bh * q_len + offs_m, lse, mask=offs_m < q_len)

@@ -61,7 +61,8 @@ def _attn_fwd_decode(
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-    SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr, PACK: tl.constexpr, SPLIT: tl.constexpr,
+    SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr, PACK: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Grid (row tiles of PACK * q_len rows, batch x heads / PACK, splits)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -100,8 +101,8 @@ def _attn_fwd_decode(
         q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, full_lo, full_hi, full_idx, part_lo, part_hi,
         part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h[:, None], q_len, kv_len, 0, MODS,
         load_seed(SEED, DROPOUT), (b * heads + h)[:, None], 0, dropout_threshold, dropout_scale,
-        MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_ROW, DROPOUT, False,
-        BLOCK_M, BLOCK_N, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+        MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW, DROPOUT,
+        False, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     o_ptrs = O + b * stride_ob + h[:, None] * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=rows_in[:, None] & (offs_d[None, :] < head_dim))
     tl.store(LSE + (b * heads + h) * q_len + offs_m, lse, mask=rows_in)

@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 
 from sparseflash.attention.triton.launch import Launcher, interpreting, multiprocessors
-from sparseflash.attention.triton.tiles import (ROW_LENGTH_ARGS, finish_rows, listed_block, mma, modded_scores,
-                                               online_softmax_step, row_term, row_tile_ranges, tile_start)
+from sparseflash.attention.triton.tiles import (ROW_LENGTH_ARGS, finish_rows, key_steps, listed_block, mma,
+                                               modded_scores, online_softmax_step, row_term, row_tile_ranges,
+                                               tile_start)
 from sparseflash.masks import BlockMask, MaskKind
 
 PERSISTENT_LENGTH_ARGS = [*ROW_LENGTH_ARGS, "q_rows", "k_rows", "v_rows", "o_rows", "n_tiles"]
@@ -56,13 +57,14 @@ def row_view_coords(b, h, row, stride_b, stride_h, stride_m):
 @triton.jit
 def _fwd_tiles_tma(acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col, t_hi, idx_ptr, q_start,
                    qk_scale, b, h, MODS, FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
-                   MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, BLOCK_M: tl.constexpr,
+                   MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_KEYS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    WIDEN_DOTS: tl.constexpr):
     """``tiles.forward_tiles`` over tiles 0..t_hi-1 for the persistent forward: K and V through the
     ``row_view`` descriptors, no bounds; the causal predicate and MASK_MOD on every tile."""
     MASKED: tl.constexpr = APPLY_CAUSAL or MASK_MOD is not None
     MAY_BE_EMPTY: tl.constexpr = MASKED or SCORE_MOD is not None  # a score function may return -inf
+    keys = key_steps(b, h, tl.arange(0, BLOCK_N)[None, :], MODS, SCORE_KEYS)
     for t in tl.range(0, t_hi):
         block = listed_block(idx_ptr, t, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
         kv_start = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
@@ -71,7 +73,7 @@ def _fwd_tiles_tma(acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col,
         offs_m = q_start + tl.arange(0, BLOCK_M)
         offs_kv = kv_start + tl.arange(0, BLOCK_N)
         s, _ = modded_scores(mma(q, tl.trans(k), None, DOT_PRECISION, WIDEN_DOTS), b, h, offs_m[:, None],
-                             offs_kv[None, :], q_start, qk_scale, MODS, SCORE_MOD)
+                             offs_kv[None, :], q_start, kv_start, keys, qk_scale, MODS, SCORE_MOD, SCORE_KEYS)
         if MASKED:
             if APPLY_CAUSAL:
                 keep = offs_m[:, None] >= offs_kv[None, :]
@@ -97,7 +99,8 @@ def _attn_fwd_persistent(
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-    SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
+    SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    MASK_EVERY_TILE: tl.constexpr,
 ):
     """The forward of masks whose tiles divide the lengths, as NUM_PROGRAMS programs that each take
     every NUM_PROGRAMS-th (batch x head, query tile), with Q, K, V (and, for DENSE and CAUSAL, O) moved
@@ -139,10 +142,11 @@ def _attn_fwd_persistent(
         acc, l_i, m_i = _fwd_tiles_tma(
             acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col, part_hi if CAUSAL else full_hi,
             full_idx, q_start, qk_scale, b, h, MODS, WALK_TABLES, CAUSAL or (MASK_EVERY_TILE and IS_CAUSAL),
-            MASK_MOD if MASK_EVERY_TILE else None, SCORE_MOD, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N, DOT_PRECISION,
-            WIDEN_DOTS)
-        o, lse = finish_rows(acc, l_i, m_i, row_term(b, h, q_start + tl.arange(0, BLOCK_M), q_start, q_len, kv_len,
-                                                     MODS, SCORE_ROW))
+            MASK_MOD if MASK_EVERY_TILE else None, SCORE_MOD, SCORE_KEYS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N,
+            DOT_PRECISION, WIDEN_DOTS)
+        # the row term as a vector: a reduction over a 1-wide column fails the warp-specialisation pass
+        o, lse = finish_rows(acc, l_i, m_i, row_term(b, h, q_start + tl.arange(0, BLOCK_M), q_start, kv_len, MODS,
+                                                     SCORE_ROW))
         if WALK_TABLES:  # rows of few tiles: o straight from registers, not waiting for a TMA store
             o_offs = (q_start + tl.arange(0, BLOCK_M))[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
             tl.store(O + (b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh) + o_offs, o.to(O.dtype.element_ty))

@@ -82,6 +82,7 @@ class LaunchPlan:
         helpers = codegen.helpers(mask_graph, score_graph) if mask_graph or score_graph else None
         self.mask_mod = helpers.mask_mod if helpers else None
         self.score_mod = helpers.score_mod if helpers else None
+        self.score_keys = helpers.score_keys if helpers else None
         self.score_row = helpers.score_row if helpers else None
         self.score_mod_grads = helpers.score_mod_grads if helpers else None
         self._mods_tables: dict[tuple, torch.Tensor] = {}
@@ -157,7 +158,8 @@ class LaunchPlan:
             SPARSE_BLOCK_M=self.sparse_block[0], SPARSE_BLOCK_N=self.sparse_block[1],
             HEAD_DIM=self.padded_dim, D_PADDED=self.padded_dim != self.head_dim,
             DOT_PRECISION=self.dot_precision, WIDEN_DOTS=interpreting(), EVEN_LENGTHS=even,
-            MASK_MOD=self.mask_mod, SCORE_MOD=self.score_mod, SCORE_ROW=self.score_row, DROPOUT=self.dropout,
+            MASK_MOD=self.mask_mod, SCORE_MOD=self.score_mod, SCORE_KEYS=self.score_keys, SCORE_ROW=self.score_row,
+            DROPOUT=self.dropout,
         )
 
 

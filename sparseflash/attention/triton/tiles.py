@@ -15,6 +15,8 @@ Constexpr flags the helpers take (the kernels pass their own through):
   MASK_MOD        a generated element predicate (codegen.py), applied with APPLY_MASK_MOD (partial
                   tiles), or None.
   SCORE_MOD       a generated score function (codegen.py) applied to every computed score, or None.
+  SCORE_KEYS      a score function's key term's steps over a tile, where it is linear in kv_idx
+                  (codegen.py): computed once, then one value per tile; or None.
   SCORE_ROW       its per-row term (codegen.py: a separable function's scores are computed at the
                   tile's reference query ``q_ref``, and the lse gets the difference back), or None.
   DROPOUT         drop probabilities (``dropout_kept``: seed, threshold) and scale the kept ones by
@@ -138,34 +140,49 @@ def mod_positions(offs_m, offs_kv, q_len, kv_len):
 
 
 @triton.jit
-def modded_scores(qk, b, h, q_idx, kv_idx, q_ref, qk_scale, MODS, SCORE_MOD: tl.constexpr):
+def modded_scores(qk, b, h, q_idx, kv_idx, q_ref, kv_start, keys, qk_scale, MODS, SCORE_MOD: tl.constexpr,
+                  SCORE_KEYS: tl.constexpr):
     """Base-2 scores of the products q.k in ``qk`` (any tile layout; q_idx and kv_idx broadcast to
     it) and the score function's derivative with respect to the natural score (1.0 without one).
-    ``q_ref``: the tile's reference query, a scalar position in the sequence (``row_term``)."""
-    if SCORE_MOD is not None:
-        return SCORE_MOD(qk, qk_scale, b, h, q_idx, kv_idx, q_ref, MODS)
+    ``q_ref``: the tile's reference query, a scalar position in the sequence (``row_term``);
+    ``kv_start``: its first key, and ``keys`` the steps of a key term linear in kv_idx over the tile
+    (``key_steps``, in qk's layout)."""
+    if SCORE_KEYS is not None:
+        return SCORE_MOD(qk, qk_scale, b, h, q_idx, kv_start, q_ref, keys, MODS)
+    elif SCORE_MOD is not None:
+        return SCORE_MOD(qk, qk_scale, b, h, q_idx, kv_idx, q_ref, keys, MODS)
     else:
         return qk * qk_scale, 1.0
 
 
 @triton.jit
-def row_term(b, h, offs_m, q_ref, q_len, kv_len, MODS, SCORE_ROW: tl.constexpr):
-    """The base-2 term per row (shape of offs_m, the rows' query positions; h a scalar or a column of
-    one per row) that scores computed at reference query q_ref leave out of a separable score
-    function: what the forward adds to its lse and the backward takes off the lse it subtracts. 0.0
-    without SCORE_ROW. The reference key is the valid key nearest the diagonal at q_ref."""
+def key_steps(b, h, offs, MODS, SCORE_KEYS: tl.constexpr):
+    """The base-2 steps, over key offsets ``offs`` within a tile (their layout kept), of a score
+    function's key term linear in kv_idx, which ``modded_scores`` adds to the term at the tile's first
+    key: computed once per program, not per tile. 0.0 without SCORE_KEYS."""
+    if SCORE_KEYS is not None:
+        return SCORE_KEYS(b, h, offs, MODS)
+    else:
+        return 0.0
+
+
+@triton.jit
+def row_term(b, h, q_idx, q_ref, kv_len, MODS, SCORE_ROW: tl.constexpr):
+    """The base-2 term per row that scores computed at reference query q_ref leave out of a separable
+    score function (q_idx: the rows' positions in the sequence, broadcastable with h; the result has
+    their shape): what the forward adds to its lse and the backward takes off the lse it subtracts.
+    0.0 without SCORE_ROW. The reference key is the valid key nearest the diagonal at q_ref."""
     if SCORE_ROW is not None:
-        q_idx = tl.minimum(offs_m, q_len - 1)[:, None]
-        return tl.sum(SCORE_ROW(b, h, q_idx, q_ref, tl.minimum(q_ref, kv_len - 1), MODS), 1)
+        return SCORE_ROW(b, h, q_idx, q_ref, tl.minimum(q_ref, kv_len - 1), MODS)
     else:
         return 0.0
 
 
 @triton.jit
 def key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv, offs_d,
-                    kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref, MODS,
+                    kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref, kv_start, keys, MODS,
                     APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr, APPLY_MASK_MOD: tl.constexpr,
-                    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+                    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_KEYS: tl.constexpr,
                     D_PADDED: tl.constexpr, V_TRANSPOSED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     WIDEN_DOTS: tl.constexpr):
     """Load the key tile at offs_kv and score it against q.
@@ -189,8 +206,8 @@ def key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_v
         k_t = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     q_idx, kv_idx = mod_positions(offs_m[:, None], offs_kv[None, :], q_len, kv_len)
-    s, d_score = modded_scores(mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS), b, h, q_idx, kv_idx, q_ref, qk_scale,
-                               MODS, SCORE_MOD)
+    s, d_score = modded_scores(mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS), b, h, q_idx, kv_idx, q_ref, kv_start,
+                               keys, qk_scale, MODS, SCORE_MOD, SCORE_KEYS)
     if APPLY_CAUSAL or APPLY_KV_BOUND or APPLY_MASK_MOD:
         keep = offs_kv[None, :] < kv_bound
         if APPLY_CAUSAL:
@@ -357,21 +374,23 @@ def forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride
                MODS, seed, drop_row, row_start, drop_threshold,
                FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
                APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
-               DROPOUT: tl.constexpr, ALIGNED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
-               D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
+               SCORE_KEYS: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+               SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               WIDEN_DOTS: tl.constexpr):
     """Online softmax over key tiles t_lo..t_hi-1 of one query tile (the forward kernels' loop). ``offs_m``
     are the rows' query positions and ``h`` their head, ``drop_row`` their dropout row stream: each a
     scalar, or a column of one per row (``forward_kept`` says what ALIGNED_ROWS and row_start are)."""
     # a row of a tile may lose every key to the masks, or to a score function returning -inf
     MAY_BE_EMPTY: tl.constexpr = APPLY_CAUSAL or APPLY_KV_BOUND or APPLY_MASK_MOD or SCORE_MOD is not None
+    keys = key_steps(b, h, offs_n[None, :], MODS, SCORE_KEYS)
     block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     for t in range(t_lo, t_hi):
         kv_start = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
         offs_kv = kv_start + offs_n
         s, _, v, _ = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv,
-                                     offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref, MODS,
-                                     APPLY_CAUSAL, APPLY_KV_BOUND, APPLY_MASK_MOD, MASK_MOD, SCORE_MOD, D_PADDED,
-                                     False, DOT_PRECISION, WIDEN_DOTS)
+                                     offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref, kv_start, keys,
+                                     MODS, APPLY_CAUSAL, APPLY_KV_BOUND, APPLY_MASK_MOD, MASK_MOD, SCORE_MOD,
+                                     SCORE_KEYS, D_PADDED, False, DOT_PRECISION, WIDEN_DOTS)
         kept = forward_kept(seed, drop_row, row_start, kv_start, offs_m, offs_kv, drop_threshold, DROPOUT,
                             ALIGNED_ROWS)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, kept, MAY_BE_EMPTY, DROPOUT, DOT_PRECISION,
@@ -385,8 +404,8 @@ def forward_row(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, f
                 part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
                 q_ref, MODS, seed, drop_row, row_start, drop_threshold, drop_scale,
                 MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
-                EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_ROW: tl.constexpr,
-                DROPOUT: tl.constexpr, ALIGNED_ROWS: tl.constexpr,
+                EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_KEYS: tl.constexpr,
+                SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED_ROWS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
                 HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 WIDEN_DOTS: tl.constexpr):
@@ -405,15 +424,18 @@ def forward_row(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, f
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
         full_lo, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref,
         MODS, seed, drop_row, row_start, drop_threshold, WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD,
-        SCORE_MOD, DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+        SCORE_MOD, SCORE_KEYS, DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     if part_hi > part_lo:  # rows without partial blocks skip the masked run's set-up and drain
         acc, l_i, m_i = forward_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
             part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
             q_ref, MODS, seed, drop_row, row_start, drop_threshold, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND,
-            MASK_MOD is not None, MASK_MOD, SCORE_MOD, DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N, D_PADDED,
-            DOT_PRECISION, WIDEN_DOTS)
-    o, lse = finish_rows(acc, l_i, m_i, row_term(b, h, offs_m, q_ref, q_len, kv_len, MODS, SCORE_ROW))
+            MASK_MOD is not None, MASK_MOD, SCORE_MOD, SCORE_KEYS, DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N,
+            D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+    row = 0.0
+    if SCORE_ROW is not None:  # h may be a column (the decode forward's heads): the term as one, summed to a row
+        row = tl.sum(row_term(b, h, tl.minimum(offs_m, q_len - 1)[:, None], q_ref, kv_len, MODS, SCORE_ROW), 1)
+    o, lse = finish_rows(acc, l_i, m_i, row)
     if DROPOUT:
         o = o * drop_scale
     return o, lse
