@@ -7,7 +7,8 @@ It defines sparseflash's semantics; every other backend is tested against it:
   ``(B, H, S_q, S_kv)`` score tensor with broadcast index tensors);
 - a score is kept when the mask keeps it (``BlockMask.to_dense()``, its mask_mod included) and its
   key index is below ``key_lengths[b]``; dropped scores get no probability;
-- a query row that keeps no score has output 0, log-sum-exp ``-inf`` and zero gradients (never NaN);
+- a score the score function makes ``-inf`` gets no probability either; a query row left with no
+  finite score has output 0, log-sum-exp ``-inf`` and zero gradients (never NaN);
 - with dropout, the probabilities ``sparseflash.attention.dropout.kept`` drops are 0 and the others are
   scaled by ``dropout.scale`` (1 / the chance of being kept) before ``@ v``; ``lse`` is that of the scores;
 - the output has the dtype of ``q``; ``lse`` (natural log) is fp32.
@@ -63,7 +64,7 @@ def reference_attention(
     if score_mod is not None:
         s = score_mod(s, *score_mod_indices(s))
     s = s.to(torch.promote_types(work, torch.float32)).masked_fill(~allowed, float("-inf"))
-    empty = ~allowed.any(-1, keepdim=True)  # rows that keep no score
+    empty = (s == float("-inf")).all(-1, keepdim=True)  # rows that keep no finite score
     s = s.masked_fill(empty, 0.0)  # keeps softmax and its gradient finite on those rows
     p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
     if dropout is not None:

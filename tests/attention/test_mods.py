@@ -170,7 +170,7 @@ SEPARABLE_CASES = [  # q_len, kv_len, dim, dtype, gqa, key_lengths, compiler
     (100, 100, 16, torch.float32, False, False, None),
     (70, 130, 8, torch.bfloat16, True, True, None),
     (90, 60, 16, torch.float16, False, False, "aot_eager"),
-    (5, 300, 16, torch.bfloat16, True, False, None),  # decoding: the split-KV forward, its tile at query 0
+    (5, 1300, 16, torch.bfloat16, True, False, None),  # decoding: split-KV forward (3 shares here), tile at query 0
 ]
 
 
@@ -197,6 +197,46 @@ def _check_separable(case, backend, device, key_table, batch=2, heads=4):
     got = check_backend(backend, q, k, v, mask, do, lengths, dlse=dlse, score_mod=score_mod, compiler=compiler)
     assert torch.all(got.lse[:, :, 10:50] == float("-inf")) and not got.lse.isnan().any()
     assert len(got.dcaptures) == (3 if key_table else 2) and all(g.abs().sum() > 0 for g in got.dcaptures)
+
+
+def _padding_by_score(kind: str, batch: int, heads: int, q_len: int, kv_len: int, device):
+    """A separable score function that pads with -inf through a captured table: batch 0's keys from 20
+    on (``key-padding``, with a per-query term) or its first 5 queries (``query-padding``, with a key
+    term linear in kv_idx); the reference's rows whose every score is -inf see no key."""
+    slopes = torch.rand(heads, device=device) * 0.1
+    per_query = torch.randn(q_len, device=device)
+    bias = torch.zeros(batch, kv_len if kind == "key-padding" else q_len, device=device)
+    if kind == "key-padding":
+        bias[0, 20:] = float("-inf")
+
+        def padded(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx) + per_query[q_idx // 3] + bias[b, kv_idx]
+    else:
+        bias[0, :5] = float("-inf")
+
+        def padded(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx) + bias[b, q_idx]
+    graph = trace(padded, "score_mod")
+    assert graph.separable and graph.linear_in_keys is (kind == "query-padding")
+    return padded
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["key-padding", "query-padding"])
+def test_separable_score_function_padding_with_infinite_terms(kind, backend):
+    """-inf from a captured table reaches neither a NaN nor a wrong row: the kernels leave a term of one
+    position out of the differences they take (codegen.single_position_terms), and a row whose own term
+    is -inf sees no key (o 0, lse -inf, no gradient)."""
+    batch, heads, q_len, kv_len = 2, 2, 70, 90
+    q, k, v, do = _inputs(batch, heads, heads, q_len, kv_len, 16, torch.float32)
+    score_mod = _padding_by_score(kind, batch, heads, q_len, kv_len, "cpu")
+    dlse = torch.randn(batch, heads, q_len)
+    got = check_backend(backend, q, k, v, masks.make("causal", q_len, kv_len, block=16), do, dlse=dlse,
+                        score_mod=score_mod)
+    assert not any(t.isnan().any() for t in (got.o, got.lse, got.dq, got.dk, got.dv))
+    if kind == "query-padding":
+        assert torch.all(got.lse[0, :, :5] == float("-inf")) and torch.all(got.o[0, :, :5] == 0)
+        assert torch.isfinite(got.lse[0, :, 5:]).all()
 
 
 def _far_along(q_len: int, heads: int, device, key_table: bool, dtype=torch.float32, dim=16):

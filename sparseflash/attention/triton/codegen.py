@@ -10,17 +10,20 @@ where absent):
       ln 2``; the forward uses the value only (the compiler drops the derivative). A
       ``Graph.separable`` function ``f = a * score + g(q_idx) + k(kv_idx)`` is evaluated on the key
       positions only (a vector) at the tile's reference query ``q_ref``: ``a * score + f(0, q_ref,
-      kv_idx)``, which differs from f by a constant per query row, ``f(0, q, kv) - f(0, q_ref, kv)``,
-      that the softmax does not see. Where ``k`` is linear (``Graph.linear_in_keys``), kv_idx is the
-      tile's first key (a scalar) and ``keys`` holds score_keys' steps over the tile: one value per
-      tile and one add per key. ``keys`` is unused otherwise.
-  score_keys(b, h, offs, MODS) -> base-2 steps    ``f(0, 0, offs) - f(0, 0, 0)`` for key offsets
-      ``offs`` within a tile (0 <= offs < its width), computed once per program; only where
-      ``Graph.linear_in_keys``.
+      kv_idx)`` without f's float terms of the query alone (``single_position_terms``), which differs
+      from f by a constant per query row that the softmax does not see. Where ``k`` is linear
+      (``Graph.linear_in_keys``), kv_idx is the tile's first key (a scalar) and ``keys`` holds
+      score_keys' steps over the tile: one value per tile and one add per key. ``keys`` is unused
+      otherwise.
+  score_keys(b, h, offs, MODS) -> base-2 steps    ``f(0, 0, offs) - f(0, 0, 0)`` (without the float
+      terms of the query alone) for key offsets ``offs`` within a tile (0 <= offs < its width),
+      computed once per program; only where ``Graph.linear_in_keys``.
   score_row(b, h, q_idx, q_ref, kv_ref, MODS) -> base-2 row term    that constant, as
-      ``f(0, q_idx, kv_ref) - f(0, q_ref, kv_ref)`` for any valid key ``kv_ref``: the kernels add it
-      to the lse they store and take it off the lse their backward subtracts. Only for a separable
-      function of q_idx. With ``q_ref`` and ``kv_ref`` next to the tile's rows, every value stays as
+      ``f(0, q_idx, kv_ref) - f(0, q_ref, kv_ref)`` for any valid key ``kv_ref``, without the float
+      terms of the key alone (they cancel) nor, at q_ref, those of the query alone (score_mod left
+      them out): the kernels add it to the lse they store and take it off the lse their backward
+      subtracts; a row whose term is -inf (a query padded by a -inf table) sees no key. Only for a
+      separable function of q_idx. With ``q_ref`` and ``kv_ref`` next to the tile's rows, every value stays as
       small as the function's own values there, so that no precision is lost to a large ``k(kv)``
       cancelling a large ``g(q)`` (ALiBi's ``slope * kv_idx`` at long lengths).
   score_mod_grads(ds, score, b, h, q_idx, kv_idx, MODS)        adds ds * d new / d capture[index] into the
@@ -92,11 +95,13 @@ def _capture(MODS, SLOT: tl.constexpr, FIELD: tl.constexpr, DTYPE: tl.constexpr)
 
 class _Emitter:
     """Python lines computing a graph's nodes (``v<i>``) and, for ``derivative`` passes, the
-    derivative of each node (``d<i>``) with respect to one seed node."""
+    derivative of each node (``d<i>``) with respect to one seed node. The float terms of one position
+    in ``dropped`` ("q_idx", "kv_idx"; ``single_position_terms``) are emitted as 0.0."""
 
-    def __init__(self, graph: Graph, indent: str = "    "):
+    def __init__(self, graph: Graph, indent: str = "    ", dropped: tuple[str, ...] = ()):
         self.graph, self.indent, self.lines = graph, indent, []
         self.index = {id(n): i for i, n in enumerate(graph.nodes)}
+        self.dropped = single_position_terms(graph, dropped)
 
     def ref(self, x) -> str:
         if isinstance(x, Node):
@@ -105,7 +110,7 @@ class _Emitter:
 
     def values(self) -> None:
         for i, node in enumerate(self.graph.nodes):
-            self.lines.append(f"{self.indent}v{i} = {self._value(node)}")
+            self.lines.append(f"{self.indent}v{i} = {'0.0' if id(node) in self.dropped else self._value(node)}")
 
     def _value(self, node: Node) -> str:
         op, args = node.op, node.args
@@ -212,9 +217,23 @@ def _mask_source(graph: Graph) -> str:
         f"\n    return {e.ref(graph.output)}\n"
 
 
+def single_position_terms(graph: Graph, positions: tuple[str, ...]) -> set[int]:
+    """The ids of the float nodes that depend, of the score and the positions, on one position of
+    ``positions`` only: in a separable function each enters the output as a term (times factors of b
+    and h), and is the same at both ends of a difference taken at that position's reference value,
+    so such a difference may leave it out. Leaving it out keeps a non-finite value of a captured
+    table (-inf padding a key or a query) out of the difference. Integer terms stay: they are finite
+    and exact, and the distances that mix both positions are built from them."""
+    return {id(n) for n in graph.nodes
+            if n.kind == "float" and len(n.deps & {"score", "q_idx", "kv_idx"}) == 1
+            and next(iter(n.deps & {"score", "q_idx", "kv_idx"})) in positions}
+
+
 def _score_source(graph: Graph) -> str:
-    e = _Emitter(graph)
-    if graph.separable:  # at score 0 and the reference query: the part that varies over the keys
+    # a separable function at score 0 and the reference query, without its float terms of the query
+    # alone (score_row adds those per row): the part that varies over the keys
+    e = _Emitter(graph, dropped=("q_idx",) if graph.separable else ())
+    if graph.separable:
         e.lines += ["    score = 0.0", "    q_idx = q_ref + h * 0  # a tensor, as integer ops on constants may not be"]
     else:
         e.lines.append("    score = qk * (qk_scale * 0.6931471805599453)  # * ln 2: the natural score")
@@ -224,7 +243,7 @@ def _score_source(graph: Graph) -> str:
     if graph.linear_in_keys:  # at the tile's first key (scalars), then its steps over the tile
         value = f"qk * (qk_scale * {d_out}) + (keys + {out} * 1.4426950408889634)"
     elif graph.separable:
-        key_term = _scaled(e, graph.output, "1.4426950408889634", _zeros(graph))
+        key_term = _scaled(e, graph.output, "1.4426950408889634", _zeros(graph, e.dropped))
         value = f"qk * (qk_scale * {d_out})" + (f" + {key_term}" if key_term else "")
     else:
         value = f"{out} * 1.4426950408889634"
@@ -232,43 +251,49 @@ def _score_source(graph: Graph) -> str:
         "\n".join(e.lines) + f"\n    return {value}, {d_out}\n"
 
 
-def _at_score_zero_source(graph: Graph) -> str:
-    """``_at_score_zero(b, h, q_idx, kv_idx, MODS)``: the function's value at score 0, in its own units."""
-    e = _Emitter(graph)
+def _at_score_zero_source(graph: Graph, name: str, dropped: tuple[str, ...]) -> str:
+    """``name(b, h, q_idx, kv_idx, MODS)``: the function's value at score 0, in its own units, without
+    its float terms of one position of ``dropped``."""
+    e = _Emitter(graph, dropped=dropped)
     e.lines.append("    score = 0.0")
     e.values()
     out = e.ref(graph.output) + (" * 1.0" if graph.output.kind == "int" else "")
-    return "\n\n@triton.jit\ndef _at_score_zero(b, h, q_idx, kv_idx, MODS):\n" + "\n".join(e.lines) + \
-        f"\n    return {out}\n"
+    return f"\n\n@triton.jit\ndef {name}(b, h, q_idx, kv_idx, MODS):\n" + "\n".join(e.lines) + f"\n    return {out}\n"
 
 
+# The difference between a separable function and score_mod's scores, per row: the query's terms at
+# q_idx (the float ones too, which score_mod leaves out) less those at the reference q_ref, the key
+# terms cancelling at kv_ref (their float ones left out: a -inf there would make the difference NaN).
 ROW_SOURCE = """
 
 @triton.jit
 def score_row(b, h, q_idx, q_ref, kv_ref, MODS):
     zero = q_idx * 0  # every position a tensor of q_idx's shape (q_ref may be a constant)
-    row = _at_score_zero(b, h, q_idx, kv_ref + zero, MODS) - _at_score_zero(b, h, q_ref + zero, kv_ref + zero, MODS)
+    row = _without_key_terms(b, h, q_idx, kv_ref + zero, MODS)
+    row -= _integer_terms(b, h, q_ref + zero, kv_ref + zero, MODS)
     return row * 1.4426950408889634 + zero
 """
 
+# score_mod's key term at key offsets offs less that at 0: the query's integer terms cancel at 0.
 KEYS_SOURCE = """
 
 @triton.jit
 def score_keys(b, h, offs, MODS):
     zero = offs * 0  # every position a tensor of offs' shape
-    steps = _at_score_zero(b, h, zero, offs, MODS) - _at_score_zero(b, h, zero, zero, MODS)
+    steps = _without_query_terms(b, h, zero, offs, MODS) - _without_query_terms(b, h, zero, zero, MODS)
     return steps * 1.4426950408889634 + zero
 """
 
 
-def _zeros(graph: Graph) -> set[int]:
-    """The ids of the nodes that are 0 at score 0 (the score, and sums, products and quotients of
-    it), found in one pass in evaluation order."""
+def _zeros(graph: Graph, dropped: set[int]) -> set[int]:
+    """The ids of the nodes that are 0 at score 0 once the ``dropped`` nodes are (the score, those,
+    and sums, products and quotients of them), found in one pass in evaluation order."""
     zeros: set[int] = set()
     zero = lambda x: isinstance(x, Node) and id(x) in zeros  # noqa: E731
     for node in graph.nodes:
         op, args = node.op, node.args
-        if ((op == "arg" and args[0] == "score") or (op in ("add", "sub") and all(map(zero, args)))
+        if ((op == "arg" and args[0] == "score") or id(node) in dropped
+                or (op in ("add", "sub") and all(map(zero, args)))
                 or (op == "neg" and zero(args[0])) or (op == "mul" and any(map(zero, args)))
                 or (op == "truediv" and zero(args[0]))):
             zeros.add(id(node))
@@ -276,8 +301,8 @@ def _zeros(graph: Graph) -> set[int]:
 
 
 def _scaled(e: _Emitter, node, factor: str, zeros: set[int]) -> str | None:
-    """An expression for ``node * factor`` at score 0 (None where that is 0): a separable score
-    function's key term. A sum with a zero side is its other side (no vector add of a zero), and
+    """An expression for ``node * factor`` at score 0 with the ``zeros`` nodes 0 (None where that is
+    0): a separable score function's key term. A sum with a zero side is its other side (no vector add of a zero), and
     factors of b and h only are multiplied into ``factor`` (scalars), so that the key vector is
     multiplied once. Follows one path down the graph."""
     if not isinstance(node, Node):
@@ -363,10 +388,11 @@ def helpers(mask_graph: Graph | None, score_graph: Graph | None) -> ModuleType:
     if score_graph is not None:
         shifted = _shift_slots(score_graph, len(mask_graph.captures) if mask_graph is not None else 0)
         source += _score_source(shifted)
-        if shifted.separable:
-            source += _at_score_zero_source(shifted)
-            source += ROW_SOURCE if "q_idx" in shifted.output.deps else ""
-            source += KEYS_SOURCE if shifted.linear_in_keys else ""
+        if shifted.separable and "q_idx" in shifted.output.deps:
+            source += _at_score_zero_source(shifted, "_without_key_terms", ("kv_idx",))
+            source += _at_score_zero_source(shifted, "_integer_terms", ("q_idx", "kv_idx")) + ROW_SOURCE
+        if shifted.linear_in_keys:
+            source += _at_score_zero_source(shifted, "_without_query_terms", ("q_idx",)) + KEYS_SOURCE
         if any(t.requires_grad for t in shifted.captures if t.dtype.is_floating_point):
             source += _grads_source(shifted)
     module = _load_module(source)

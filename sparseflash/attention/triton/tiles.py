@@ -361,11 +361,11 @@ def online_softmax_step(acc, l_i, m_i, s, v, kept, MAY_BE_EMPTY: tl.constexpr, D
 @triton.jit
 def finish_rows(acc, l_i, m_i, row):
     """The rows' output (fp32, BM x D) and natural-log lse, with ``row`` (``row_term``, base 2) added
-    to it; a row that saw no key gets 0 and -inf."""
-    seen = l_i > 0.0
+    to it; a row that saw no key, or whose row term is -inf, gets 0 and -inf."""
+    seen = (l_i > 0.0) & (m_i + row > float("-inf"))
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe) + row) * 0.6931471805599453, float("-inf"))  # * ln 2
-    return acc / l_safe[:, None], lse
+    return tl.where(seen[:, None], acc / l_safe[:, None], 0.0), lse
 
 
 @triton.jit
