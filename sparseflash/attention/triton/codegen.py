@@ -23,9 +23,9 @@ where absent):
       terms of the key alone (they cancel) nor, at q_ref, those of the query alone (score_mod left
       them out): the kernels add it to the lse they store and take it off the lse their backward
       subtracts; a row whose term is -inf (a query padded by a -inf table) sees no key. Only for a
-      separable function of q_idx. With ``q_ref`` and ``kv_ref`` next to the tile's rows, every value stays as
-      small as the function's own values there, so that no precision is lost to a large ``k(kv)``
-      cancelling a large ``g(q)`` (ALiBi's ``slope * kv_idx`` at long lengths).
+      separable function of q_idx. With ``q_ref`` and ``kv_ref`` next to the tile's rows, every
+      value stays as small as the function's own values there, so that no precision is lost to a
+      large ``k(kv)`` cancelling a large ``g(q)`` (ALiBi's ``slope * kv_idx`` at long lengths).
   score_mod_grads(ds, score, b, h, q_idx, kv_idx, MODS)        adds ds * d new / d capture[index] into the
       gradient buffer of each captured tensor that requires grad (atomics; a sum over the tile first
       where the index depends on b and h only)
@@ -302,9 +302,9 @@ def _zeros(graph: Graph, dropped: set[int]) -> set[int]:
 
 def _scaled(e: _Emitter, node, factor: str, zeros: set[int]) -> str | None:
     """An expression for ``node * factor`` at score 0 with the ``zeros`` nodes 0 (None where that is
-    0): a separable score function's key term. A sum with a zero side is its other side (no vector add of a zero), and
-    factors of b and h only are multiplied into ``factor`` (scalars), so that the key vector is
-    multiplied once. Follows one path down the graph."""
+    0): a separable score function's key term. A sum with a zero side is its other side (no vector
+    add of a zero), and factors of b and h only are multiplied into ``factor`` (scalars), so that the
+    key vector is multiplied once. Follows one path down the graph."""
     if not isinstance(node, Node):
         return f"({node!r} * {factor})"
     if id(node) in zeros:
@@ -380,8 +380,8 @@ def _load_module(source: str) -> ModuleType:
 
 def helpers(mask_graph: Graph | None, score_graph: Graph | None) -> ModuleType:
     """The module of generated helpers for these graphs (``mask_mod``, ``score_mod``, ``score_keys``,
-    ``score_row``, ``score_mod_grads``, each None where it does not apply). The score graph's captures follow the
-    mask graph's in the MODS table: its load slots are shifted here."""
+    ``score_row``, ``score_mod_grads``, each None where it does not apply). The score graph's
+    captures follow the mask graph's in the MODS table: its load slots are shifted here."""
     source = PRELUDE
     if mask_graph is not None:
         source += _mask_source(mask_graph)
