@@ -239,6 +239,18 @@ def test_separable_score_function_padding_with_infinite_terms(kind, backend):
         assert torch.isfinite(got.lse[0, :, 5:]).all()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_score_function_with_an_infinite_constant(backend):
+    """``torch.where(..., score, float("-inf"))``, the usual way to mask through a score function: the
+    generated code writes the constant as ``float("-inf")`` (a bare ``-inf`` is a NameError)."""
+    q, k, v, do = _inputs(2, 2, 2, 50, 70, 16, torch.float32)
+
+    def causal_by_score(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx >= kv_idx, score, float("-inf"))
+    check_backend(backend, q, k, v, masks.make("dense", 50, 70, block=16), do, dlse=torch.randn(2, 2, 50),
+                  score_mod=causal_by_score)
+
+
 def _far_along(q_len: int, heads: int, device, key_table: bool, dtype=torch.float32, dim=16):
     """Inputs, a causal window of 100 and ALiBi with steep slopes (with ``key_table`` plus a per-key
     table, which takes the kernels' other path: the key term evaluated on each tile's keys): far

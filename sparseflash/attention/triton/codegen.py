@@ -43,6 +43,7 @@ same functions finds the file, and Triton's own cache the compiled kernels.
 from __future__ import annotations
 
 import hashlib
+import math
 import importlib.util
 import os
 import sys
@@ -93,6 +94,12 @@ def _capture(MODS, SLOT: tl.constexpr, FIELD: tl.constexpr, DTYPE: tl.constexpr)
 '''.replace("{fields}", str(MODS_FIELDS))
 
 
+def _literal(x) -> str:
+    """Source for a Python number; infinities and NaN as ``float(...)``, which the generated code can
+    evaluate (``repr`` gives a bare ``inf``)."""
+    return repr(x) if not isinstance(x, float) or math.isfinite(x) else f'float("{x}")'
+
+
 class _Emitter:
     """Python lines computing a graph's nodes (``v<i>``) and, for ``derivative`` passes, the
     derivative of each node (``d<i>``) with respect to one seed node. The float terms of one position
@@ -106,7 +113,7 @@ class _Emitter:
     def ref(self, x) -> str:
         if isinstance(x, Node):
             return f"v{self.index[id(x)]}"
-        return repr(x)
+        return _literal(x)
 
     def values(self) -> None:
         for i, node in enumerate(self.graph.nodes):
@@ -118,7 +125,7 @@ class _Emitter:
         if op == "arg":
             return args[0]
         if op == "const":
-            return repr(float(args[0])) if node.kind == "float" else repr(args[0])
+            return _literal(float(args[0]) if node.kind == "float" else args[0])
         if op == "load":
             slot, index = args[0], a[1:]
             capture = self.graph.captures[slot]
