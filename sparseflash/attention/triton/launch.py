@@ -36,6 +36,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Compiles ahead of one kernel at once (each on a thread of its launcher): a first call's fused
+# backward and the two kernels that stand in for it while it compiles (backward.py).
+AHEAD_THREADS = 3
+
 INTERPRETER_MULTIPROCESSORS = 3  # what the kernels size their grids by under the interpreter
 
 
@@ -75,57 +79,78 @@ class Launcher:
         self.kernel = kernel
         self._direct = isinstance(kernel, JITFunction)
         self._compiled: dict[tuple, tuple[CompiledKernel, tuple]] = {}
-        # Compiles ahead run in turn on one thread per launcher: two at once into one Triton
-        # function could race on its cache of compiled specialisations.
         self._compiler: ThreadPoolExecutor | None = None
-        self._ahead: list[Future] = []
+        self._ahead: dict[tuple, Future] = {}  # compiles ahead, by the key of the launch they serve
+
+    @staticmethod
+    def _key(tensors: tuple, scalars: tuple, constexprs: dict) -> tuple:
+        # What Triton specialises on, and more: the device it launches on (the current one, as
+        # Triton does), each tensor's dtype and 16-byte alignment, every scalar's exact value (its
+        # divisibility by 16 and equality to 1 are specialised) and the constexprs. A new value only
+        # costs one launch through Triton, which compiles nothing new where its own specialisation
+        # is unchanged.
+        return (driver.active.get_current_device(), tuple(constexprs.items()), scalars,
+                *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
 
     def __call__(self, grid: tuple[int, ...], tensors: tuple[torch.Tensor, ...], scalars: tuple,
                  constexprs: dict) -> None:
         if not self._direct:
             self.kernel[grid](*tensors, *scalars, **constexprs)
             return
-        # What Triton specialises on, and more: the device it launches on (the current one, as
-        # Triton does), each tensor's dtype and 16-byte alignment, every scalar's exact value (its
-        # divisibility by 16 and equality to 1 are specialised) and the constexprs. A new value only
-        # costs one launch through Triton, which compiles nothing new where its own specialisation
-        # is unchanged.
-        key = (driver.active.get_current_device(), tuple(constexprs.items()), scalars,
-               *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+        key = self._key(tensors, scalars, constexprs)
         entry = self._compiled.get(key)
         if entry is not None:
             compiled, constexpr_values = entry
             compiled[(*grid, 1, 1)[:3]](*tensors, *scalars, *constexpr_values)  # it takes a 3-D grid only
             return
-        waited = list(self._ahead)  # a compile ahead may be making this very specialisation
-        for future in waited:
-            future.exception()
-        del self._ahead[:len(waited)]  # (another thread may have added one since)
+        ahead = self._ahead.pop(key, None)
+        if ahead is not None:
+            ahead.exception()  # waits; a compile that failed is repeated below, and reports
         compiled = self.kernel[grid](*tensors, *scalars, **constexprs)
         names = self.kernel.arg_names[len(tensors) + len(scalars):]
         self._compiled[key] = compiled, tuple(constexprs[name] for name in names)
 
-    def compile_ahead(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> None:
-        """Start compiling, on the launcher's thread, the kernel that a launch with these arguments
-        needs (``tensors`` may hold ``Standin``s). The launch waits for it; a compile that fails is
-        left for the launch to repeat and report."""
+    def ready(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> bool:
+        """Whether a launch with these arguments would start without waiting for a compile: its kernel
+        was launched before, or compiled ahead (``grid`` is not part of that; it is taken so that the
+        arguments read as a launch's)."""
         if not self._direct:
-            return
+            return True
+        key = self._key(tensors, scalars, constexprs)
+        ahead = self._ahead.get(key)
+        return key in self._compiled or (ahead is not None and ahead.done() and ahead.exception() is None)
+
+    def compile_ahead(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict,
+                      after: tuple[Future, ...] = ()) -> Future | None:
+        """Start compiling, on a thread of the launcher's, the kernel that a launch with these arguments
+        needs (``tensors`` may hold ``Standin``s), once the compiles ``after`` have finished; return the
+        compile in flight for it (None where it is compiled). The launch waits for it; a compile that
+        fails is left for the launch to repeat and report."""
+        if not self._direct:
+            return None
+        key = self._key(tensors, scalars, constexprs)
+        if key in self._compiled or key in self._ahead:
+            return self._ahead.get(key)
         if self._compiler is None:
-            self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparseflash-compile")
+            self._compiler = ThreadPoolExecutor(max_workers=AHEAD_THREADS, thread_name_prefix="sparseflash-compile")
         # Triton (3.6) hashes a function and the functions it calls lazily and without a lock: two
         # threads doing it at once can see each other's placeholder and compile under keys that no
-        # later launch looks up. Hash here, on the calling thread, before any compile thread runs.
+        # later launch looks up. Hash here, on the calling thread, before any compile thread runs; and
+        # make the kernel's per-device cache here, which two threads could each make and one lose.
         for fn in (self.kernel, *constexprs.values()):
             if isinstance(fn, JITFunction):
                 fn.cache_key  # noqa: B018 (computed and kept by the property)
         device = driver.active.get_current_device()  # the thread's own starts at device 0
+        self.kernel.device_caches[device]  # noqa: B018 (made and kept by the defaultdict)
 
         def compile_on_device():
+            for earlier in after:
+                earlier.exception()  # waits
             driver.active.set_current_device(device)
             compiled = self.kernel.warmup(*tensors, *scalars, grid=grid, **constexprs)
             # Loading the module and building the launch stub (a C compile where Triton's cache
             # lacks it) happen at the first launch otherwise: 0.3-0.5 s each on an H100 host.
             getattr(compiled, "_init_handles", lambda: None)()
 
-        self._ahead.append(self._compiler.submit(compile_on_device))
+        self._ahead[key] = self._compiler.submit(compile_on_device)
+        return self._ahead[key]
