@@ -10,8 +10,8 @@ one-time costs, paid by the first backward of any model in a process):
   mask             building the mask;
   first fwd        the first forward (kernel compiles; tuning too with SPARSEFLASH_TUNE=1);
   first bwd        the first backward after it;
-  second fwd+bwd   the call after it (at head dim 128 its backward may still run the kernels that
-                   stand in for the fused one while it compiles);
+  second fwd+bwd   the call after it (slower where a compile is still running beside it: the
+                   Python part of a compile holds the GIL);
   steady fwd+bwd   the median of 20 calls after 3 s of calls.
 
 Point both caches at empty directories to see a first call on a new machine, or run the script

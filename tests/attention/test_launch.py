@@ -104,33 +104,13 @@ def test_compiles_ahead_run_at_once_and_each_launch_waits_only_for_its_own(launc
     x, y = torch.randn(64), torch.randn(64)
     standin = launch.Standin(torch.float32, (64,))
     start = time.perf_counter()
-    for block in (16, 32, 64):
+    for block in (16, 32, 32):  # the repeat compiles nothing more
         launcher.compile_ahead((3, 2), (standin, y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=block))
-    launcher.compile_ahead((3, 2), (standin, y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=32))  # a repeat
-    assert not launcher.ready((3, 2), (x, y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=32))
     _launch(launcher, x, y, BLOCK=32)
     waited = time.perf_counter() - start
-    assert 1.0 <= waited < 1.8, f"three 1 s compiles ahead: the launch waited {waited:.2f} s"
-    time.sleep(0.5)  # the other two finish about when BLOCK=32's does
-    assert [entry[0] for entry in launcher.kernel.log].count("warmup") == 3, "the repeat compiled again"
-    assert launcher.ready((3, 2), (x, y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=32))
-    assert not launcher.ready((3, 2), (x, y), (64, 0.5), dict(FLAG=False, num_warps=4, BLOCK=32))
-
-
-def test_a_compile_ahead_can_wait_for_others(launcher):
-    standin, y = launch.Standin(torch.float32, (64,)), torch.randn(64)
-
-    def ahead(block, after=()):
-        return launcher.compile_ahead((3, 2), (standin, y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=block),
-                                      after=after)
-
-    first = ahead(16)
-    assert ahead(16) is first  # in flight already
-    second = ahead(32, after=(first,))
-    second.result()
-    assert [entry[4]["BLOCK"] for entry in launcher.kernel.log] == [16, 32]
-    _launch(launcher, torch.randn(64), y, BLOCK=32)
-    assert ahead(32) is None  # compiled
+    assert 1.0 <= waited < 1.8, f"two 1 s compiles ahead: the launch waited {waited:.2f} s"
+    time.sleep(0.3)  # BLOCK=16's finishes about when BLOCK=32's does
+    assert [entry[0] for entry in launcher.kernel.log].count("warmup") == 2
 
 
 @pytest.mark.parametrize("shape", [(3,), (2, 5, 7), (1, 4, 1, 8)], ids=str)
@@ -165,68 +145,10 @@ def test_a_first_call_compiles_forward_and_backward_on_the_compile_threads():
         o.backward(torch.randn_like(o))  # as a model's gradients come: dense (o.sum()'s has stride 0)
     finally:
         triton.knobs.compilation.listener = previous
-    assert len(threads) >= 3, threads  # forward, the backward's preprocess and its loops
+    assert len(threads) >= 4, threads  # forward, the backward's preprocess, its dK/dV and its dQ kernels
+    backward_threads = {name for name, kernel, _ in threads if kernel == "_attn_bwd"}
+    assert len(backward_threads) == 2, f"dK/dV and dQ did not compile at once: {threads}"
     elsewhere = [entry for entry in threads if not entry[0].startswith("sparseflash-compile")]
     assert not elsewhere, f"compiled on the calling threads: {elsewhere}; ahead: {len(threads) - len(elsewhere)}"
     assert torch.isfinite(q.grad).all()
 
-
-def test_the_fused_backwards_halves_stand_in_for_it_until_it_is_compiled():
-    from sparseflash.attention.triton import backward
-    from sparseflash.attention.triton.tuning import KernelConfig
-
-    cfg = KernelConfig(128, 64, 8, 3)
-    plan = SimpleNamespace(per_layout={"backward": {"config": cfg}})
-    compiled, asked = [False], []
-
-    def fused(config, via):
-        asked.append((config, "ready" if via == backward.BACKWARD.ready else "compile_ahead"))
-        return compiled[0] if via == backward.BACKWARD.ready else None
-
-    assert backward._stand_in_config(plan, fused) == cfg
-    assert asked == [(cfg, "ready"), (cfg, "compile_ahead")]  # this layout's fused kernel compiles ahead
-    compiled[0] = True
-    assert backward._stand_in_config(plan, fused) is None
-    assert plan.per_layout["backward"] == {}  # ended for every layout: later calls ask nothing
-    asked.clear()
-    assert backward._stand_in_config(plan, fused) is None and asked == []
-    assert backward._stand_in_config(SimpleNamespace(per_layout={}), fused) is None and asked == []
-
-
-@pytest.mark.gpu
-def test_a_first_backward_at_head_dim_128_runs_the_halves_while_the_fused_kernel_compiles():
-    import os
-
-    import sparseflash
-    from sparseflash.attention.triton import backward
-    from tests.helpers import assert_close
-
-    if (os.cpu_count() or 1) < backward.STAND_IN_FROM_CPUS:
-        pytest.skip(f"the halves stand in on hosts of {backward.STAND_IN_FROM_CPUS} CPUs or more")
-    salt = float(torch.randint(1, 10**6, ()).item())  # a new score function: kernels not compiled in this process
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score + (q_idx - kv_idx) / salt
-
-    before = set(backward.BACKWARD._compiled)
-
-    def new_programs():  # the PROGRAMS of the backward kernels launched since ``before``
-        return {dict(key[1])["PROGRAMS"] for key in set(backward.BACKWARD._compiled) - before}
-
-    q, k, v = (torch.randn(2, 4, 700, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    do = torch.randn_like(q)
-    o = sparseflash.attention(q.float(), k.float(), v.float(), "causal", score_mod=score_mod, backend="reference")
-    expected = torch.autograd.grad(o, (q, k, v), do.float())
-    grads = []
-    for _ in range(60):  # the first backward, then until the fused kernel takes over
-        o = sparseflash.attention(q, k, v, "causal", score_mod=score_mod)
-        grads.append(torch.autograd.grad(o, (q, k, v), do))
-        if len(grads) == 1:
-            assert new_programs() == {1, 2}, f"the first backward launched PROGRAMS {new_programs()}, not the halves"
-        if 0 in new_programs():
-            break
-        time.sleep(0.25)
-    assert 0 in new_programs(), "the fused kernel never took over"
-    for name, first, last, ref in zip("qkv", grads[0], grads[-1], expected):
-        assert_close(first.float(), ref, 2e-2, f"d{name} of the halves")
-        assert_close(last.float(), ref, 2e-2, f"d{name} of the fused kernel")

@@ -33,9 +33,6 @@ dP' is the gradient of the undropped probabilities, since o already holds the ke
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -419,19 +416,13 @@ PREPROCESS_BLOCK_M = 64
 # that each kind gets its own warps (H100, head_dim 64: dK/dV wants 8 warps, dQ 4, and one launch
 # made the dense fwd+bwd rows 9-22% slower; docs/kernels.md, "The backward").
 FUSED_FROM_HEAD_DIM = 128
-FUSED, SPLIT = [("backward", 0)], [("dkdv", 1), ("dq", 2)]
-# The fused kernel compiles in about the time of its two halves one after the other (each kind of
-# program's loops; ~2.5 s at head_dim 128 on an H100 host). A first call also compiles the halves
-# ahead, on threads beside it, and its backward runs them while the fused one compiles: where the host
-# has the cores to compile all at once (docs/kernels.md, "The first call").
-STAND_IN_FROM_CPUS = 8
 PREPROCESS = Launcher(_bwd_preprocess)
 BACKWARD = Launcher(_attn_bwd)
 
 
 def _kernels(plan: LaunchPlan) -> list[tuple[str, int]]:
     """The tuned kernels of a backward and their PROGRAMS flags: one launch, or dK/dV then dQ."""
-    return FUSED if plan.padded_dim >= FUSED_FROM_HEAD_DIM else SPLIT
+    return [("backward", 0)] if plan.padded_dim >= FUSED_FROM_HEAD_DIM else [("dkdv", 1), ("dq", 2)]
 
 
 def _preprocess(plan: LaunchPlan, o, do, lse, dlse, delta, lse2, stats_stride: int, ahead: bool = False) -> None:
@@ -445,11 +436,10 @@ def _preprocess(plan: LaunchPlan, o, do, lse, dlse, delta, lse2, stats_stride: i
 
 
 def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, mods, stats_stride,
-              dropout, grads=()):
-    """``launch(cfg, via=BACKWARD)``: the backward kernel with PROGRAMS ``programs`` (``dropout``:
-    ``plan.dropout_args``) through ``via``, which launches it; ``BACKWARD.compile_ahead`` only compiles it
-    (the tensors past v may then be ``Standin``s), ``BACKWARD.ready`` says whether it is compiled. A launch
-    of the dK/dV programs zeroes ``grads`` first: they add into them."""
+              dropout, grads=(), ahead: bool = False):
+    """``launch(cfg)`` of the backward kernel with PROGRAMS ``programs`` (``dropout``: ``plan.dropout_args``;
+    ``ahead``: only compile it; the tensors past v may be ``Standin``s); the dK/dV programs add into
+    ``grads``, zeroed first."""
     seed, *dropout_scalars = dropout
     tensors = (q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, *plan.tables_of("q")[0], *plan.tables_of("kv")[0],
                mods, seed)
@@ -457,16 +447,16 @@ def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk,
                *plan.tables_of("q")[1], *plan.tables_of("kv")[1], plan.heads, plan.groups, plan.q_len, plan.kv_len,
                plan.head_dim, plan.qk_scale, plan.scale, stats_stride, *dropout_scalars)
 
-    def launch(cfg: KernelConfig, via=BACKWARD):
+    def launch(cfg: KernelConfig) -> None:
         key_tiles = cdiv(plan.kv_len, cfg.block_m)
         query_tiles = plan.groups * cdiv(plan.q_len, cfg.block_m)
         grid = ((key_tiles + query_tiles, key_tiles, query_tiles)[programs], plan.batch * plan.kv_heads)
-        if programs != 2 and via is BACKWARD:  # once per launch (a tuner's too)
+        if programs != 2:  # the dK/dV programs add into the captured tensors' gradients: once per launch
             for grad in grads:
                 if grad is not None:
                     grad.zero_()
-        return via(grid, tensors, scalars,
-                   plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=plan.score_mod_grads))
+        (BACKWARD.compile_ahead if ahead else BACKWARD)(
+            grid, tensors, scalars, plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=plan.score_mod_grads))
     return launch
 
 
@@ -474,22 +464,6 @@ def _stats_stride(plan: LaunchPlan) -> int:
     # Rows of delta and lse2 start 64-byte aligned, so that the dK/dV loops' loads of a tile's
     # values vectorise (with rows at q_len, 4-byte copies: twice Flex's copy instructions per tile).
     return cdiv(plan.q_len, 16) * 16
-
-
-def _stand_in_config(plan: LaunchPlan, fused) -> KernelConfig | None:
-    """The config of the fused kernel's halves where they stand in for it now (it is still compiling,
-    after a first call compiled the halves ahead), else None. The halves take the fused kernel's
-    config, which serves both kinds of program. The first launch the fused kernel is ready for ends
-    the standing in, for every layout of the plan."""
-    standing_in = plan.per_layout.get("backward", {})
-    cfg = standing_in.get("config")
-    if cfg is None:
-        return None
-    if fused(cfg, BACKWARD.ready):
-        del standing_in["config"]
-        return None
-    fused(cfg, BACKWARD.compile_ahead)  # where this backward's layout differs from the first call's
-    return cfg
 
 
 def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, plan: LaunchPlan, captures=(),
@@ -509,45 +483,23 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
              if t.requires_grad and t.dtype.is_floating_point else None for t in captures]
     mods = plan.mods_table(list(captures), grads)
     dropout_args = plan.dropout_args(dropout)
-
-    def launcher(programs):
-        return _launcher(plan, programs, q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, mods, stats_stride,
-                         dropout_args, grads)
-
-    kernels = _kernels(plan)
-    cfg = _stand_in_config(plan, launcher(0)) if kernels == FUSED else None
-    if cfg is not None:
-        for _, programs in SPLIT:
-            launcher(programs)(cfg)
-        return dq, dk, dv, grads
-    for kernel, programs in kernels:
-        run_tuned(kernel, plan.config_key, launcher(programs))
+    for kernel, programs in _kernels(plan):
+        run_tuned(kernel, plan.config_key, _launcher(plan, programs, q, k, v, do, lse2, delta, dq, dk, dv,
+                                                     key_lengths, mods, stats_stride, dropout_args, grads))
     return dq, dk, dv, grads
 
 
 def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
     """Start compiling the kernels that ``attention_backward`` will launch after a forward on these
-    inputs (contiguous outputs and gradients, no gradient of lse; none where a launch tunes first), and
-    the fused kernel's halves to stand in for it where the host has the cores (``STAND_IN_FROM_CPUS``)."""
+    inputs (contiguous outputs and gradients, no gradient of lse; none where a launch tunes first)."""
     stats_stride = _stats_stride(plan)
     out = Standin(q.dtype, q.shape)  # o, do and dq
     stats = Standin(torch.float32, (plan.batch * plan.heads, stats_stride))
     _preprocess(plan, out, out, Standin(torch.float32, q.shape[:3]), None, stats, stats, stats_stride, ahead=True)
     mods = plan.mods_table(list(captures))
-
-    def launcher(programs):
-        return _launcher(plan, programs, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape),
-                         Standin(v.dtype, v.shape), key_lengths, mods, stats_stride,
-                         plan.dropout_args(None, ahead=True))
-
     for kernel, programs in _kernels(plan):
         cfg = planned(kernel, plan.config_key)
-        if cfg is None:
-            continue
-        halves = ()
-        if programs == 0 and not launcher(0)(cfg, BACKWARD.ready) and (os.cpu_count() or 1) >= STAND_IN_FROM_CPUS:
-            # the fused kernel compiles after its halves: the first call needs them first, and compiles at
-            # once slow each other (the Python part of each holds the GIL)
-            halves = tuple(launcher(half)(cfg, BACKWARD.compile_ahead) for _, half in SPLIT)
-            plan.per_layout.setdefault("backward", {})["config"] = cfg
-        launcher(programs)(cfg, functools.partial(BACKWARD.compile_ahead, after=tuple(h for h in halves if h)))
+        if cfg is not None:
+            _launcher(plan, programs, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape),
+                      Standin(v.dtype, v.shape), key_lengths, mods, stats_stride, plan.dropout_args(None, ahead=True),
+                      ahead=True)(cfg)

@@ -36,9 +36,9 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Compiles ahead of one kernel at once (each on a thread of its launcher): a first call's fused
-# backward and the two kernels that stand in for it while it compiles (backward.py).
-AHEAD_THREADS = 3
+# Compiles ahead of one kernel at once, each on a thread of its launcher: the backward's dK/dV and
+# dQ kernels below head_dim 128 (backward.py). One after the other they made a first call ~1.3 s longer.
+AHEAD_THREADS = 2
 
 INTERPRETER_MULTIPROCESSORS = 3  # what the kernels size their grids by under the interpreter
 
@@ -110,27 +110,15 @@ class Launcher:
         names = self.kernel.arg_names[len(tensors) + len(scalars):]
         self._compiled[key] = compiled, tuple(constexprs[name] for name in names)
 
-    def ready(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> bool:
-        """Whether a launch with these arguments would start without waiting for a compile: its kernel
-        was launched before, or compiled ahead (``grid`` is not part of that; it is taken so that the
-        arguments read as a launch's)."""
-        if not self._direct:
-            return True
-        key = self._key(tensors, scalars, constexprs)
-        ahead = self._ahead.get(key)
-        return key in self._compiled or (ahead is not None and ahead.done() and ahead.exception() is None)
-
-    def compile_ahead(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict,
-                      after: tuple[Future, ...] = ()) -> Future | None:
+    def compile_ahead(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> None:
         """Start compiling, on a thread of the launcher's, the kernel that a launch with these arguments
-        needs (``tensors`` may hold ``Standin``s), once the compiles ``after`` have finished; return the
-        compile in flight for it (None where it is compiled). The launch waits for it; a compile that
-        fails is left for the launch to repeat and report."""
+        needs (``tensors`` may hold ``Standin``s), unless it is compiled or compiling. The launch waits for
+        it; a compile that fails is left for the launch to repeat and report."""
         if not self._direct:
-            return None
+            return
         key = self._key(tensors, scalars, constexprs)
         if key in self._compiled or key in self._ahead:
-            return self._ahead.get(key)
+            return
         if self._compiler is None:
             self._compiler = ThreadPoolExecutor(max_workers=AHEAD_THREADS, thread_name_prefix="sparseflash-compile")
         # Triton (3.6) hashes a function and the functions it calls lazily and without a lock: two
@@ -144,8 +132,6 @@ class Launcher:
         self.kernel.device_caches[device]  # noqa: B018 (made and kept by the defaultdict)
 
         def compile_on_device():
-            for earlier in after:
-                earlier.exception()  # waits
             driver.active.set_current_device(device)
             compiled = self.kernel.warmup(*tensors, *scalars, grid=grid, **constexprs)
             # Loading the module and building the launch stub (a C compile where Triton's cache
@@ -153,4 +139,3 @@ class Launcher:
             getattr(compiled, "_init_handles", lambda: None)()
 
         self._ahead[key] = self._compiler.submit(compile_on_device)
-        return self._ahead[key]
