@@ -7,9 +7,10 @@ for ~0.6 ms (docs/kernels.md, "Host time"). ``Launcher`` goes through Triton onc
 specialisation, keeps the compiled kernel it returns, and then launches that kernel directly.
 
 A kernel's first launch compiles it (seconds on an H100). ``Launcher.compile_ahead`` compiles what
-a launch will need on a thread of the launcher's own, so that the forward and the backward kernels
-of a first call compile at the same time instead of one after the other (they overlap where the
-GIL is free: ptxas, parts of Triton's compiler); outputs not allocated yet are given as ``Standin``s.
+a launch will need on threads of the launcher's own, so that the forward and the backward kernels
+of a first call, and two specialisations of one kernel, compile at the same time instead of one
+after the other (they overlap where the GIL is free: Triton's MLIR and LLVM stages, ptxas; its
+Python front end takes turns); outputs not allocated yet are given as ``Standin``s.
 """
 
 from __future__ import annotations
