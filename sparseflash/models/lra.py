@@ -54,6 +54,9 @@ class Encoder(nn.Module):
         vocab_size: token ids in ``[0, vocab_size)``, 0 = padding.
         embedding: ``token`` (a lookup table) or ``pixel`` (a linear map of the grey level
             ``(id - 1) / 255``; for image tasks whose ids are ``pixel + 1``).
+        embed_std: the standard deviation of the token table's initial entries (padding's row stays
+            0): 1.0 as PyTorch's default and LRA's Flax code, 0.02 as the Nyströmformer authors' LRA
+            code, where the learned positions (std 0.02) are then as large as the tokens.
         positions: ``learned`` or ``sinusoidal``; max_len: the longest input (without CLS).
         pool: ``cls`` or ``mean`` (over valid tokens).
         mask: the attention mask of ``SparseAttention`` (a ``MaskSpec`` or its fields); backend: its backend;
@@ -66,7 +69,7 @@ class Encoder(nn.Module):
                  mlp_dim: int = 128, dropout: float = 0.1, embedding: str = "token",
                  positions: str = "learned", pool: str = "cls", mask: Any = None,
                  backend: str = "auto", pad_multiple: int = 1, score_mod: Any = None,
-                 attention_dropout: float = 0.0):
+                 attention_dropout: float = 0.0, embed_std: float = 1.0):
         super().__init__()
         if embedding not in ("token", "pixel"):
             raise ValueError(f"model.embedding must be 'token' or 'pixel'; got {embedding!r}")
@@ -77,6 +80,10 @@ class Encoder(nn.Module):
         self.embedding_kind, self.pool, self.pad_multiple = embedding, pool, max(1, int(pad_multiple))
         self.max_len = max_len + (pool == "cls")
         self.embed = nn.Embedding(vocab_size, dim, padding_idx=0) if embedding == "token" else nn.Linear(1, dim)
+        if embedding == "token" and embed_std != 1.0:  # (1.0 draws nothing more: earlier runs' inits stay)
+            with torch.no_grad():
+                self.embed.weight.normal_(0.0, embed_std)
+                self.embed.weight[0].zero_()
         if positions == "learned":
             self.pos = nn.Parameter(torch.randn(self.max_len, dim) * 0.02)
         else:
@@ -168,7 +175,8 @@ def build_model(model_cfg: Mapping[str, Any], attention_cfg: Mapping[str, Any], 
                       positions=str(model_cfg.get("positions", "learned")), pool=str(model_cfg.get("pool", "cls")),
                       mask=spec, backend=str(attention_cfg.get("backend", "auto")), pad_multiple=int(pad_multiple),
                       score_mod=_plain(attention_cfg.get("score_mod")),
-                      attention_dropout=float(model_cfg.get("attention_dropout", 0.0)))
+                      attention_dropout=float(model_cfg.get("attention_dropout", 0.0)),
+                      embed_std=float(model_cfg.get("embed_std", 1.0)))
     head_dim = int(model_cfg.get("head_mlp_dim") or mlp_dim)
     cls = DualEncoderClassifier if pair else Classifier
     return cls(encoder, dim, head_dim, num_classes)

@@ -48,3 +48,15 @@ def test_mask_from_attention_config():
     assert sinusoidal_positions(10, 8).shape == (10, 8)
     with pytest.raises(ValueError, match="max_len"):
         model({"x": torch.ones(1, 300, dtype=torch.long), "lengths": torch.tensor([300])})
+
+
+def test_token_table_init_std_follows_the_config():
+    torch.manual_seed(0)
+    default = Encoder(vocab_size=300, max_len=64, dim=64)
+    torch.manual_seed(0)
+    plain = torch.nn.Embedding(300, 64, padding_idx=0)
+    assert torch.equal(default.embed.weight, plain.weight)  # 1.0: PyTorch's own init, no extra draws
+    small = Encoder(vocab_size=300, max_len=64, dim=64, embed_std=0.02)
+    assert torch.all(small.embed.weight[0] == 0)  # padding
+    assert abs(small.embed.weight[1:].std().item() - 0.02) < 0.002
+    assert abs(default.embed.weight[1:].std().item() - 1.0) < 0.05
