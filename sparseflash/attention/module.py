@@ -62,15 +62,37 @@ class SparseAttention(nn.Module):
             return self.mask
         return built_mask(self.mask, seq_len, seq_len, self.heads, device)
 
-    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None,
+                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x (B, S, dim)``; ``key_lengths (B,)``: keys from there on are padding; ``key_mask (B, S)``
+        bool: the keys any query may attend to (False ones are left out wherever they are)."""
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"SparseAttention(dim={self.dim}) takes x of shape (B, S, {self.dim}); "
                              f"got {tuple(x.shape)}")
+        if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != tuple(x.shape[:2])):
+            raise ValueError(f"key_mask must be a bool tensor of shape {tuple(x.shape[:2])} (B, S); got "
+                             f"{key_mask.dtype} of shape {tuple(key_mask.shape)}")
         q = rearrange(self.to_q(x), "b s (h d) -> b h s d", h=self.heads)
         k, v = rearrange(self.to_kv(x), "b s (two h d) -> two b h s d", two=2, h=self.kv_heads)
-        o = attention(q, k, v, self.mask, score_mod=self.score_mod, key_lengths=key_lengths,
+        score_mod = self.score_mod if key_mask is None else _leaving_out_keys(self.score_mod, key_mask)
+        o = attention(q, k, v, self.mask, score_mod=score_mod, key_lengths=key_lengths,
                       dropout_p=self.attn_dropout if self.training else 0.0, backend=self.backend)
         return self.dropout(self.to_out(rearrange(o, "b h s d -> b s (h d)")))
+
+
+def _leaving_out_keys(score_mod: Callable | None, key_mask: torch.Tensor) -> Callable:
+    """``score_mod`` (or the score itself) plus -inf at the keys ``key_mask`` (B, S) leaves out: a term of
+    the key alone, read from a captured table, which the kernels add once per key (a separable score
+    function). The table is flat, indexed by ``b * S + kv_idx``: Dynamo cannot trace a tensor indexed by
+    a tuple of traced values (``RelativeBias`` says the same)."""
+    length = key_mask.shape[1]
+    bias = torch.zeros(key_mask.numel(), dtype=torch.float32, device=key_mask.device).masked_fill(
+        ~key_mask.reshape(-1), float("-inf"))
+
+    def keys_left_out(score, b, h, q_idx, kv_idx):
+        kept = score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
+        return kept + bias[b * length + kv_idx]
+    return keys_left_out
 
 
 def _score_mod(score_mod: ScoreModArg, heads: int) -> Callable | None:

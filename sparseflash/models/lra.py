@@ -42,8 +42,9 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, mlp_dim), nn.GELU(), nn.Dropout(dropout),
                                  nn.Linear(mlp_dim, dim), nn.Dropout(dropout))
 
-    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), key_lengths)
+    def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None,
+                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), key_lengths, key_mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -57,6 +58,9 @@ class Encoder(nn.Module):
         embed_std: the standard deviation of the token table's initial entries (padding's row stays
             0): 1.0 as PyTorch's default and LRA's Flax code, 0.02 as the Nyströmformer authors' LRA
             code, where the learned positions (std 0.02) are then as large as the tokens.
+        masked_token: a token id whose positions no query attends to and the mean pooling leaves out
+            (still dividing by the valid length), or None. The Nyströmformer authors' LRA code does so
+            with its id 0, which in Pathfinder is every black pixel (here id 1: ids are pixel + 1).
         positions: ``learned`` or ``sinusoidal``; max_len: the longest input (without CLS).
         pool: ``cls`` or ``mean`` (over valid tokens).
         mask: the attention mask of ``SparseAttention`` (a ``MaskSpec`` or its fields); backend: its backend;
@@ -69,7 +73,7 @@ class Encoder(nn.Module):
                  mlp_dim: int = 128, dropout: float = 0.1, embedding: str = "token",
                  positions: str = "learned", pool: str = "cls", mask: Any = None,
                  backend: str = "auto", pad_multiple: int = 1, score_mod: Any = None,
-                 attention_dropout: float = 0.0, embed_std: float = 1.0):
+                 attention_dropout: float = 0.0, embed_std: float = 1.0, masked_token: int | None = None):
         super().__init__()
         if embedding not in ("token", "pixel"):
             raise ValueError(f"model.embedding must be 'token' or 'pixel'; got {embedding!r}")
@@ -78,6 +82,7 @@ class Encoder(nn.Module):
         if pool not in ("cls", "mean"):
             raise ValueError(f"model.pool must be 'cls' or 'mean'; got {pool!r}")
         self.embedding_kind, self.pool, self.pad_multiple = embedding, pool, max(1, int(pad_multiple))
+        self.masked_token = masked_token
         self.max_len = max_len + (pool == "cls")
         self.embed = nn.Embedding(vocab_size, dim, padding_idx=0) if embedding == "token" else nn.Linear(1, dim)
         if embedding == "token" and embed_std != 1.0:  # (1.0 draws nothing more: earlier runs' inits stay)
@@ -110,18 +115,25 @@ class Encoder(nn.Module):
         h = h + self.pos[: h.shape[1]].to(h.dtype)
         valid = torch.arange(h.shape[1], device=x.device)[None, :] < lengths[:, None]  # (B, S)
         h = h * valid[..., None]
+        keys = None  # (B, S) the keys attended to, where a token is left out
+        if self.masked_token is not None:
+            keys = x != self.masked_token
+            if self.cls is not None:
+                keys = nn.functional.pad(keys, (1, 0), value=True)
         total = -(-h.shape[1] // self.pad_multiple) * self.pad_multiple
         if total > h.shape[1]:
             h = nn.functional.pad(h, (0, 0, 0, total - h.shape[1]))
             valid = nn.functional.pad(valid, (0, total - valid.shape[1]))
+            keys = None if keys is None else nn.functional.pad(keys, (0, total - keys.shape[1]))
         h = self.drop(h)
         for block in self.blocks:
-            h = block(h, lengths)
+            h = block(h, lengths, keys)
         h = self.ln(h)
         if self.cls is not None:
             return h[:, 0]
         weights = valid.to(h.dtype)[..., None]
-        return (h * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+        pooled = weights if keys is None else (valid & keys).to(h.dtype)[..., None]
+        return (h * pooled).sum(1) / weights.sum(1).clamp_min(1.0)
 
 
 class Classifier(nn.Module):
@@ -176,7 +188,8 @@ def build_model(model_cfg: Mapping[str, Any], attention_cfg: Mapping[str, Any], 
                       mask=spec, backend=str(attention_cfg.get("backend", "auto")), pad_multiple=int(pad_multiple),
                       score_mod=_plain(attention_cfg.get("score_mod")),
                       attention_dropout=float(model_cfg.get("attention_dropout", 0.0)),
-                      embed_std=float(model_cfg.get("embed_std", 1.0)))
+                      embed_std=float(model_cfg.get("embed_std", 1.0)),
+                      masked_token=None if model_cfg.get("masked_token") is None else int(model_cfg["masked_token"]))
     head_dim = int(model_cfg.get("head_mlp_dim") or mlp_dim)
     cls = DualEncoderClassifier if pair else Classifier
     return cls(encoder, dim, head_dim, num_classes)

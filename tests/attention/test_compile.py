@@ -157,3 +157,22 @@ def test_compiled_module_matches_eager(mask, score_mod, backend):
         for got, want in zip(params, grads[0][1]):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_key_mask_matches_eager_and_a_new_mask_does_not_recompile(backend):
+    """SparseAttention's key_mask (a score function over a captured table made in the graph) under
+    fullgraph=True: output and input gradient as in eager mode, for two different masks, one graph."""
+    model = SparseAttention(32, 4, mask="causal", backend=backend)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x, keys: model(x, key_mask=keys), backend=counter, fullgraph=True)
+    for _ in range(2):
+        x = torch.randn(2, 45, 32, requires_grad=True)
+        keys = torch.rand(2, 45) < 0.6
+        want = model(x, key_mask=keys)
+        got = compiled(x, keys)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        grad = torch.randn_like(want)
+        torch.testing.assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(want, x, grad)[0],
+                                   rtol=1e-4, atol=1e-5)
+    assert counter.frame_count == 1

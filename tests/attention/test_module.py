@@ -118,3 +118,45 @@ def test_bad_construction_and_specs():
     module = SparseAttention(DIM, HEADS)
     with pytest.raises(ValueError, match=r"SparseAttention\(dim=32\) takes x of shape \(B, S, 32\); got \(1, 20, 16\)"):
         module(torch.randn(1, 20, 16))
+
+
+def _manual_left_out(module: SparseAttention, x: torch.Tensor, causal: bool, key_mask: torch.Tensor) -> torch.Tensor:
+    """The module's computation with the keys ``key_mask`` leaves out, written out over the whole score
+    matrix (a row with no key left gives 0)."""
+    b, s, _ = x.shape
+    hd = module.head_dim
+    q = module.to_q(x).view(b, s, module.heads, hd).transpose(1, 2).double()
+    kv = module.to_kv(x).view(b, s, 2, module.kv_heads, hd).double()
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    allowed = key_mask[:, None, None, :].expand(b, 1, s, s)
+    if causal:
+        allowed = allowed & torch.ones(s, s, dtype=torch.bool).tril()
+    scores = (q @ k.transpose(-1, -2) / hd ** 0.5).masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(scores, -1).nan_to_num(0.0)
+    o = (p @ v).to(x.dtype)
+    return module.to_out(o.transpose(1, 2).reshape(b, s, module.heads * hd))
+
+
+@pytest.mark.parametrize("backend", ["reference", "blocked", "triton"])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_key_mask_leaves_keys_out_anywhere_in_the_sequence(backend, causal):
+    module = SparseAttention(DIM, HEADS, mask="causal" if causal else None, backend=backend)
+    x = torch.randn(3, 37, DIM, requires_grad=True)
+    key_mask = torch.rand(3, 37) < 0.3
+    key_mask[1] = False  # a batch entry with no key at all: every row empty
+    key_mask[2, 0] = False  # under causal, row 0 of entry 2 sees nothing
+    out, expected = module(x, key_mask=key_mask), _manual_left_out(module, x, causal, key_mask)
+    assert_close(out, expected, 1e-4, "o")
+    grad = torch.randn_like(out)
+    (got,) = torch.autograd.grad(out, x, grad)
+    (want,) = torch.autograd.grad(expected, x, grad)
+    assert_close(got, want, 1e-4, "dx")
+
+
+def test_key_mask_must_be_bool_of_the_inputs_batch_and_length():
+    module = SparseAttention(DIM, HEADS)
+    x = torch.randn(2, 10, DIM)
+    with pytest.raises(ValueError, match=r"key_mask must be a bool tensor of shape \(2, 10\)"):
+        module(x, key_mask=torch.ones(2, 9, dtype=torch.bool))
+    with pytest.raises(ValueError, match="got torch.float32"):
+        module(x, key_mask=torch.ones(2, 10))

@@ -60,3 +60,22 @@ def test_token_table_init_std_follows_the_config():
     assert torch.all(small.embed.weight[0] == 0)  # padding
     assert abs(small.embed.weight[1:].std().item() - 0.02) < 0.002
     assert abs(default.embed.weight[1:].std().item() - 1.0) < 0.05
+
+
+@pytest.mark.parametrize("pool", ["mean", "cls"])
+def test_a_masked_token_reaches_no_output(pool):
+    """The masked token (Pathfinder's black pixel) is no key and is not pooled: its embedding cannot
+    change the output, while any other token's does; padding past a length still counts for nothing."""
+    encoder = Encoder(vocab_size=20, max_len=48, dim=32, heads=4, pool=pool, masked_token=1, pad_multiple=16)
+    encoder.eval()
+    x = torch.randint(1, 20, (3, 41))
+    x[:, ::3] = 1
+    lengths = torch.tensor([41, 30, 7])
+    before = encoder(x, lengths)
+    with torch.no_grad():
+        encoder.embed.weight[1].normal_()
+    assert torch.allclose(encoder(x, lengths), before, atol=1e-6)
+    with torch.no_grad():
+        encoder.embed.weight[2:].normal_()
+    assert not torch.allclose(encoder(x, lengths), before, atol=1e-3)
+    assert torch.isfinite(before).all()
