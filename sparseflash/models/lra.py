@@ -81,6 +81,9 @@ class Encoder(nn.Module):
             raise ValueError(f"model.positions must be 'learned' or 'sinusoidal'; got {positions!r}")
         if pool not in ("cls", "mean"):
             raise ValueError(f"model.pool must be 'cls' or 'mean'; got {pool!r}")
+        if embedding == "pixel" and embed_std != 1.0:
+            raise ValueError(f"model.embed_std sets the token table's init; the pixel embedding has none (got "
+                             f"embed_std={embed_std})")
         self.embedding_kind, self.pool, self.pad_multiple = embedding, pool, max(1, int(pad_multiple))
         self.masked_token = masked_token
         self.max_len = max_len + (pool == "cls")

@@ -60,6 +60,8 @@ def test_token_table_init_std_follows_the_config():
     assert torch.all(small.embed.weight[0] == 0)  # padding
     assert abs(small.embed.weight[1:].std().item() - 0.02) < 0.002
     assert abs(default.embed.weight[1:].std().item() - 1.0) < 0.05
+    with pytest.raises(ValueError, match="embed_std"):
+        Encoder(vocab_size=300, max_len=64, dim=64, embedding="pixel", embed_std=0.02)
 
 
 @pytest.mark.parametrize("pool", ["mean", "cls"])
