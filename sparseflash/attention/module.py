@@ -69,9 +69,10 @@ class SparseAttention(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"SparseAttention(dim={self.dim}) takes x of shape (B, S, {self.dim}); "
                              f"got {tuple(x.shape)}")
-        if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != tuple(x.shape[:2])):
-            raise ValueError(f"key_mask must be a bool tensor of shape {tuple(x.shape[:2])} (B, S); got "
-                             f"{key_mask.dtype} of shape {tuple(key_mask.shape)}")
+        if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != tuple(x.shape[:2])
+                                     or key_mask.device != x.device):
+            raise ValueError(f"key_mask must be a bool tensor of shape {tuple(x.shape[:2])} (B, S) on {x.device}; "
+                             f"got {key_mask.dtype} of shape {tuple(key_mask.shape)} on {key_mask.device}")
         q = rearrange(self.to_q(x), "b s (h d) -> b h s d", h=self.heads)
         k, v = rearrange(self.to_kv(x), "b s (two h d) -> two b h s d", two=2, h=self.kv_heads)
         score_mod = self.score_mod if key_mask is None else _leaving_out_keys(self.score_mod, key_mask)

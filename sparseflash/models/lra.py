@@ -88,7 +88,7 @@ class Encoder(nn.Module):
         self.masked_token = masked_token
         self.max_len = max_len + (pool == "cls")
         self.embed = nn.Embedding(vocab_size, dim, padding_idx=0) if embedding == "token" else nn.Linear(1, dim)
-        if embedding == "token" and embed_std != 1.0:  # (1.0 draws nothing more: earlier runs' inits stay)
+        if embedding == "token" and embed_std != 1.0:  # 1.0 draws nothing more: a seed gives PyTorch's init
             with torch.no_grad():
                 self.embed.weight.normal_(0.0, embed_std)
                 self.embed.weight[0].zero_()

@@ -24,11 +24,11 @@ class RecordingKernel:
 
     def __init__(self):
         self.log = []
-        self.compile_seconds = 0.2
+        self.compile_seconds = {}  # BLOCK -> seconds a compile takes (0.2 by default)
         self.device_caches = {0: "binder"}
 
     def warmup(self, *args, grid, **kwargs):
-        time.sleep(self.compile_seconds)  # a compile: the launch after it must wait for it
+        time.sleep(self.compile_seconds.get(kwargs["BLOCK"], 0.2))  # a compile: the launch waits for it
         self.log.append(("warmup", threading.current_thread().name, grid, args, kwargs))
 
     def __getitem__(self, grid):
@@ -99,8 +99,8 @@ def test_a_launch_waits_for_the_compile_ahead_on_the_launchers_thread(launcher):
     assert first[0] == "triton"
 
 
-def test_compiles_ahead_run_at_once_and_each_launch_waits_only_for_its_own(launcher):
-    launcher.kernel.compile_seconds = 1.0
+def test_compiles_ahead_run_at_once_and_a_launch_waits_for_its_own_only(launcher):
+    launcher.kernel.compile_seconds = {16: 2.0, 32: 1.0}
     x, y = torch.randn(64), torch.randn(64)
     standin = launch.Standin(torch.float32, (64,))
     start = time.perf_counter()
@@ -108,9 +108,23 @@ def test_compiles_ahead_run_at_once_and_each_launch_waits_only_for_its_own(launc
         launcher.compile_ahead((3, 2), (standin, y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=block))
     _launch(launcher, x, y, BLOCK=32)
     waited = time.perf_counter() - start
-    assert 1.0 <= waited < 1.8, f"two 1 s compiles ahead: the launch waited {waited:.2f} s"
-    time.sleep(0.3)  # BLOCK=16's finishes about when BLOCK=32's does
+    assert 1.0 <= waited < 1.8, f"compiles ahead of 2 s and 1 s: the launch of the 1 s one waited {waited:.2f} s"
+    launcher._compiler.shutdown(wait=True)
     assert [entry[0] for entry in launcher.kernel.log].count("warmup") == 2
+
+
+def test_a_launch_with_no_compile_ahead_of_its_own_waits_for_those_in_flight(launcher):
+    """Its kernel may be the same Triton specialisation (other strides, say): Triton then finds it
+    compiled rather than compiling it beside the compile ahead."""
+    launcher.kernel.compile_seconds = {32: 1.0}
+    x, y = torch.randn(64), torch.randn(64)
+    launcher.compile_ahead((3, 2), (launch.Standin(torch.float32, (64,)), y), (64, 0.5),
+                           dict(FLAG=True, num_warps=4, BLOCK=32))
+    start = time.perf_counter()
+    _launch(launcher, x, y, n=48, BLOCK=32)  # another scalar: another key
+    assert time.perf_counter() - start >= 0.9
+    assert [entry[0] for entry in launcher.kernel.log] == ["warmup", "triton"]
+    assert not launcher._ahead  # finished compiles are not kept
 
 
 @pytest.mark.parametrize("shape", [(3,), (2, 5, 7), (1, 4, 1, 8)], ids=str)
@@ -151,3 +165,22 @@ def test_a_first_call_compiles_forward_and_backward_on_the_compile_threads():
     elsewhere = [entry for entry in threads if not entry[0].startswith("sparseflash-compile")]
     assert not elsewhere, f"compiled on the calling threads: {elsewhere}; ahead: {len(threads) - len(elsewhere)}"
     assert torch.isfinite(q.grad).all()
+
+
+def test_a_plan_keeps_a_bounded_number_of_mods_tables():
+    """A score function that captures a tensor made at each call (SparseAttention's key_mask) meets a
+    new address at most calls: the plan keeps the latest few tables, each right for its tensor."""
+    from sparseflash.attention.triton import codegen, plan
+    from sparseflash.masks import make
+    from sparseflash.masks.functions import trace
+
+    q, mask = torch.randn(1, 2, 64, 16), make("dense", 64, block=16)
+    kept = []
+    for _ in range(plan.MODS_TABLES_KEPT + 5):
+        bias = torch.randn(64)  # a new tensor, kept alive: a new address every time
+        kept.append(bias)
+        graph = trace(lambda score, b, h, q_idx, kv_idx: score + bias[kv_idx], "score_mod")
+        launch_plan = plan.LaunchPlan.of(q, q, mask, False, 0.25, graph)  # one plan: the graphs are alike
+        table = launch_plan.mods_table(launch_plan.captures(graph))
+        assert torch.equal(table, codegen.mods_table([bias], [None], q.device))
+    assert len(launch_plan._mods_tables) == plan.MODS_TABLES_KEPT

@@ -14,15 +14,24 @@ from tests.helpers import assert_close
 DIM, HEADS = 32, 4
 
 
+def _projections(module: SparseAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v (B, heads, S, head_dim) of the module's projections, written out."""
+    b, s, _ = x.shape
+    q = module.to_q(x).view(b, s, module.heads, module.head_dim).transpose(1, 2)
+    kv = module.to_kv(x).view(b, s, 2, module.kv_heads, module.head_dim)
+    return q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+
+
+def _output(module: SparseAttention, o: torch.Tensor) -> torch.Tensor:
+    """The output projection of the heads' outputs o (B, heads, S, head_dim)."""
+    b, h, s, d = o.shape
+    return module.to_out(o.transpose(1, 2).reshape(b, s, h * d))
+
+
 def _manual(module: SparseAttention, x: torch.Tensor, mask, key_lengths=None) -> torch.Tensor:
     """The module's computation written out: projections, reference attention, output projection."""
-    b, s, _ = x.shape
-    hd = module.head_dim
-    q = module.to_q(x).view(b, s, module.heads, hd).transpose(1, 2)
-    kv = module.to_kv(x).view(b, s, 2, module.kv_heads, hd)
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-    o = sparseflash.attention(q, k, v, mask, key_lengths=key_lengths, backend="reference")
-    return module.to_out(o.transpose(1, 2).reshape(b, s, module.heads * hd))
+    q, k, v = _projections(module, x)
+    return _output(module, sparseflash.attention(q, k, v, mask, key_lengths=key_lengths, backend="reference"))
 
 
 SPECS = {
@@ -120,32 +129,41 @@ def test_bad_construction_and_specs():
         module(torch.randn(1, 20, 16))
 
 
-def _manual_left_out(module: SparseAttention, x: torch.Tensor, causal: bool, key_mask: torch.Tensor) -> torch.Tensor:
+def _manual_left_out(module: SparseAttention, x: torch.Tensor, causal: bool, key_mask: torch.Tensor,
+                     key_lengths=None) -> torch.Tensor:
     """The module's computation with the keys ``key_mask`` leaves out, written out over the whole score
-    matrix (a row with no key left gives 0)."""
-    b, s, _ = x.shape
-    hd = module.head_dim
-    q = module.to_q(x).view(b, s, module.heads, hd).transpose(1, 2).double()
-    kv = module.to_kv(x).view(b, s, 2, module.kv_heads, hd).double()
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    matrix: GQA heads repeated, ALiBi where the module has it, keys past ``key_lengths`` out (a row with
+    no key left gives 0)."""
+    q, k, v = (t.double() for t in _projections(module, x))
+    k, v = (t.repeat_interleave(module.heads // module.kv_heads, dim=1) for t in (k, v))
+    b, s = key_mask.shape
+    positions = torch.arange(s)
     allowed = key_mask[:, None, None, :].expand(b, 1, s, s)
     if causal:
-        allowed = allowed & torch.ones(s, s, dtype=torch.bool).tril()
-    scores = (q @ k.transpose(-1, -2) / hd ** 0.5).masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(scores, -1).nan_to_num(0.0)
-    o = (p @ v).to(x.dtype)
-    return module.to_out(o.transpose(1, 2).reshape(b, s, module.heads * hd))
+        allowed = allowed & (positions[:, None] >= positions[None, :])
+    if key_lengths is not None:
+        allowed = allowed & (positions < key_lengths[:, None])[:, None, None, :]
+    scores = q @ k.transpose(-1, -2) / module.head_dim ** 0.5
+    if module.score_mod is not None:  # ALiBi
+        scores = scores + module.score_mod.slopes.double()[:, None, None] * (positions[None, :] - positions[:, None])
+    p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    return _output(module, (p @ v).to(x.dtype))
 
 
 @pytest.mark.parametrize("backend", ["reference", "blocked", "triton"])
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-def test_key_mask_leaves_keys_out_anywhere_in_the_sequence(backend, causal):
-    module = SparseAttention(DIM, HEADS, mask="causal" if causal else None, backend=backend)
+@pytest.mark.parametrize("variant", ["plain", "gqa-lengths-alibi"])
+def test_key_mask_leaves_keys_out_anywhere_in_the_sequence(backend, causal, variant):
+    extra = variant != "plain"
+    module = SparseAttention(DIM, HEADS, mask="causal" if causal else None, backend=backend,
+                             kv_heads=2 if extra else None, score_mod="alibi" if extra else None)
     x = torch.randn(3, 37, DIM, requires_grad=True)
     key_mask = torch.rand(3, 37) < 0.3
     key_mask[1] = False  # a batch entry with no key at all: every row empty
     key_mask[2, 0] = False  # under causal, row 0 of entry 2 sees nothing
-    out, expected = module(x, key_mask=key_mask), _manual_left_out(module, x, causal, key_mask)
+    key_lengths = torch.tensor([37, 20, 11]) if extra else None
+    out = module(x, key_lengths, key_mask)
+    expected = _manual_left_out(module, x, causal, key_mask, key_lengths)
     assert_close(out, expected, 1e-4, "o")
     grad = torch.randn_like(out)
     (got,) = torch.autograd.grad(out, x, grad)
@@ -160,3 +178,5 @@ def test_key_mask_must_be_bool_of_the_inputs_batch_and_length():
         module(x, key_mask=torch.ones(2, 9, dtype=torch.bool))
     with pytest.raises(ValueError, match="got torch.float32"):
         module(x, key_mask=torch.ones(2, 10))
+    with pytest.raises(ValueError, match="on meta"):
+        module(x, key_mask=torch.ones(2, 10, dtype=torch.bool, device="meta"))

@@ -104,9 +104,14 @@ class Launcher:
             compiled, constexpr_values = entry
             compiled[(*grid, 1, 1)[:3]](*tensors, *scalars, *constexpr_values)  # it takes a 3-D grid only
             return
+        # Wait for the compile ahead made for this launch, or, where there is none, for every one in
+        # flight: a launch whose strides differ from the stand-ins' (a model's gradient out of a
+        # rearrange) is often the same Triton specialisation, which Triton then finds compiled instead of
+        # compiling it again beside the compile ahead. A compile that failed is repeated below, and reports.
         ahead = self._ahead.pop(key, None)
-        if ahead is not None:
-            ahead.exception()  # waits; a compile that failed is repeated below, and reports
+        for future in [ahead] if ahead is not None else list(self._ahead.values()):
+            future.exception()
+        self._ahead = {k: future for k, future in self._ahead.items() if not future.done()}
         compiled = self.kernel[grid](*tensors, *scalars, **constexprs)
         names = self.kernel.arg_names[len(tensors) + len(scalars):]
         self._compiled[key] = compiled, tuple(constexprs[name] for name in names)

@@ -22,6 +22,10 @@ from sparseflash.masks.functions import Graph
 
 LOG2E = 1.4426950408889634
 KIND_CODES = {MaskKind.DENSE: 0, MaskKind.CAUSAL: 1, MaskKind.SPARSE: 2}  # the kernels' MASK_KIND
+# MODS tables kept per plan, by the captured tensors' addresses: a function that captures a tensor made
+# at each call (a key mask, a batch's document ids) meets a new address at most calls, and a table
+# kept for each would grow without end; the allocator's reuse of addresses makes the few kept hit.
+MODS_TABLES_KEPT = 16
 
 
 class LaunchPlan:
@@ -111,6 +115,8 @@ class LaunchPlan:
             return codegen.mods_table(captures, grads, self._placeholder.device)
         layout = tuple((t.data_ptr(), t.stride()) for t in captures)
         if layout not in self._mods_tables:
+            if len(self._mods_tables) >= MODS_TABLES_KEPT:  # the oldest goes
+                del self._mods_tables[next(iter(self._mods_tables))]
             self._mods_tables[layout] = codegen.mods_table(captures, [None] * len(captures), self._placeholder.device)
         return self._mods_tables[layout]
 
