@@ -137,7 +137,7 @@ def _manual_left_out(module: SparseAttention, x: torch.Tensor, causal: bool, key
     q, k, v = (t.double() for t in _projections(module, x))
     k, v = (t.repeat_interleave(module.heads // module.kv_heads, dim=1) for t in (k, v))
     b, s = key_mask.shape
-    positions = torch.arange(s)
+    positions = torch.arange(s, device=x.device)
     allowed = key_mask[:, None, None, :].expand(b, 1, s, s)
     if causal:
         allowed = allowed & (positions[:, None] >= positions[None, :])
@@ -180,3 +180,22 @@ def test_key_mask_must_be_bool_of_the_inputs_batch_and_length():
         module(x, key_mask=torch.ones(2, 10))
     with pytest.raises(ValueError, match="on meta"):
         module(x, key_mask=torch.ones(2, 10, dtype=torch.bool, device="meta"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_gpu_key_mask_leaves_keys_out(causal):
+    """The kernels on CUDA (bf16, a realistic length): the key mask's separable path against the whole
+    score matrix, o and dx, with GQA, key_lengths and ALiBi."""
+    module = SparseAttention(256, 4, mask="causal" if causal else None, kv_heads=2, score_mod="alibi",
+                             backend="triton").cuda().bfloat16()
+    x = torch.randn(2, 1000, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    key_mask = torch.rand(2, 1000, device="cuda") < 0.15
+    key_lengths = torch.tensor([1000, 613], device="cuda")
+    out = module(x, key_lengths, key_mask)
+    expected = _manual_left_out(module, x, causal, key_mask, key_lengths)
+    assert_close(out.float(), expected.float(), 2e-2, "o")
+    grad = torch.randn_like(out)
+    (got,) = torch.autograd.grad(out, x, grad)
+    (want,) = torch.autograd.grad(expected, x, grad)
+    assert_close(got.float(), want.float(), 3e-2, "dx")
