@@ -43,8 +43,8 @@ same functions finds the file, and Triton's own cache the compiled kernels.
 from __future__ import annotations
 
 import hashlib
-import math
 import importlib.util
+import math
 import os
 import sys
 import tempfile
