@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from sparseflash.data import TaskData, build_task
+from sparseflash.data.augment import grid_augment
 from sparseflash.data.stream import BatchLoader, BatchStream, count_tokens, load_batch
 from sparseflash.distributed import Dist
 from sparseflash.logging import RunLogger, console_fallback, drop_records_after
@@ -385,12 +386,15 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
     save = functools.partial(state.save, ckpt_path, **parts, ctx=ctx, config=OmegaConf.to_container(cfg, resolve=True))
     window, timed_out = _Window(), False
     loader = BatchLoader(task.train, device)
+    augment = grid_augment(cfg.task.get("augment"), task.image_size, task.name, seed + ctx.rank, device)
     model.train()
     with _sigterm_flag() as sigterm:
         try:
             while state.step < max_steps:
                 t0 = time.perf_counter()
                 batch = loader.load(stream.next())
+                if augment is not None:
+                    batch = augment(batch, state.step)
                 with autocast():
                     logits = model(batch)
                 loss = F.cross_entropy(logits.float(), batch["y"])

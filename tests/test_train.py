@@ -148,6 +148,21 @@ def test_resume_is_exact(tmp_path):
     assert a["stream"] == b["stream"]
 
 
+def test_pathfinder_augmented_trains_differently_and_resumes_exactly(tmp_path):
+    common = [*_task_overrides("pathfinder_generated", tmp_path), "trainer.max_steps=6", "trainer.eval_every=3",
+              "trainer.checkpoint_every=3"]
+    plain = run(make_cfg(tmp_path, *common), run_dir=tmp_path / "plain")
+    straight = run(make_cfg(tmp_path, *common, "task.augment=dihedral"), run_dir=tmp_path / "a")
+    assert straight["test_loss"] != plain["test_loss"]  # the training images were turned
+    stopped = run(make_cfg(tmp_path, *common, "task.augment=dihedral", "trainer.stop_after=4"), run_dir=tmp_path / "b")
+    assert stopped["stopped_at"] == 4
+    resumed = run(make_cfg(tmp_path, *common, "task.augment=dihedral", "resume=true"), run_dir=tmp_path / "b")
+    for key in ("test_acc", "test_loss", "best_val_acc", "steps"):
+        assert resumed[key] == straight[key], key
+    with pytest.raises(ValueError, match="needs a task of square images"):
+        run(make_cfg(tmp_path, "+task.augment=dihedral"), run_dir=tmp_path / "listops")
+
+
 def _wandb_records(path):
     """The protobuf records of a ``.wandb`` transaction log: a 7-byte header (``:W&B``, magic,
     version), then 32 KiB blocks of LevelDB-log chunks (crc32, length, type: 1 full, 2 first,

@@ -118,3 +118,4 @@ class TaskData:
     max_len: int  # longest sequence (per side for pairs)
     pair: bool = False
     info: dict = field(default_factory=dict)
+    image_size: int | None = None  # side of the square images read row by row (Pathfinder, Image)

@@ -74,4 +74,4 @@ def build(cfg, seed: int = 0) -> TaskData:
     else:
         raise ValueError(f"task.source must be 'cifar10' or 'digits'; got {source!r}")
     return TaskData(f"image-{source}", train, val, test, num_classes=10, vocab_size=257, max_len=1024,
-                    info={"majority": test.majority()})
+                    info={"majority": test.majority()}, image_size=32)

@@ -358,4 +358,4 @@ def build(cfg, seed: int = 0) -> TaskData:
     fractions = list(cfg.get("splits", [0.8, 0.1, 0.1]))
     tr, va, te = seeded_split(len(full), [float(fractions[0]), float(fractions[1]), -1], int(cfg.get("split_seed", 0)))
     return TaskData("pathfinder", full.subset(tr), full.subset(va), full.subset(te), num_classes=2,
-                    vocab_size=257, max_len=max(len(s) for s in seqs), info={"majority": full.subset(te).majority()})
+                    vocab_size=257, max_len=max(len(s) for s in seqs), info={"majority": full.subset(te).majority()}, image_size=size)
