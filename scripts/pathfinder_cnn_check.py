@@ -2,16 +2,20 @@
 max-pools, global average pool) trained on the task's own training split, scored on its validation
 split: a check of the data (images, labels, split) apart from the Transformer.
 
-    python scripts/pathfinder_cnn_check.py task.data_dir=data/pathfinder32 --seconds 170
-    python scripts/pathfinder_cnn_check.py task.num=100000 "task.generator={contour_length: 6}"
+    python scripts/pathfinder_cnn_check.py task.num=100000 --seconds 170
+    python scripts/pathfinder_cnn_check.py task.num=100000 "task.generator={contour_length: 6}" \
+        task.data_dir=data/pathfinder32_contour6
 
 Arguments past the options override ``configs/task/pathfinder.yaml`` (``task.`` prefix optional; the
-images are made and cached as training would, under ``data/`` by default). Prints the validation accuracy about a dozen times and at the end.
+images are made and cached as training would, under ``$SPARSEFLASH_DATA``, default ``data/``; the
+cache file is named by size, number and seed, not by the generator's settings, so other settings
+want another ``task.data_dir``). Prints the validation accuracy about a dozen times, and at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -25,11 +29,10 @@ from sparseflash.data import pathfinder
 TASK_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "task" / "pathfinder.yaml"
 
 
-def images(dataset, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(N, 1, size, size)`` grey levels in [0, 1] (token ids are level + 1) and labels."""
-    tokens = np.stack(dataset.seqs).astype(np.float32) - 1
-    size = int(round(tokens.shape[1] ** 0.5))
-    return (torch.from_numpy(tokens).view(-1, 1, size, size) / 255).to(device), torch.from_numpy(dataset.labels).to(device)
+def images(dataset, size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N, 1, size, size)`` grey levels in [0, 1] (token ids are level + 1) and ``(N,)`` labels."""
+    levels = torch.from_numpy(np.stack(dataset.seqs).astype(np.float32) - 1).view(-1, 1, size, size) / 255
+    return levels.to(device), torch.from_numpy(dataset.labels).to(device)
 
 
 def cnn(width: int) -> nn.Sequential:
@@ -45,6 +48,7 @@ def cnn(width: int) -> nn.Sequential:
 
 
 def accuracy(net, x, y, batch: int = 1024) -> float:
+    """Fraction of the images ``x`` that ``net`` (in eval mode) labels ``y``."""
     net.eval()
     with torch.no_grad():
         correct = sum((net(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum().item() for i in range(0, len(x), batch))
@@ -61,11 +65,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     overrides = [o.removeprefix("task.") for o in args.overrides]  # as on train.py's command line, or bare
-    cfg = OmegaConf.merge(OmegaConf.load(TASK_CONFIG), {"data_root": "data"}, OmegaConf.from_dotlist(overrides))
+    data_root = os.environ.get("SPARSEFLASH_DATA", "data")
+    cfg = OmegaConf.merge(OmegaConf.load(TASK_CONFIG), {"data_root": data_root}, OmegaConf.from_dotlist(overrides))
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     task = pathfinder.build(cfg)
-    (x, y), (x_val, y_val) = images(task.train, device), images(task.val, device)
+    (x, y), (x_val, y_val) = images(task.train, task.image_size, device), images(task.val, task.image_size, device)
     print(f"{len(x)} training and {len(x_val)} validation images on {device}", flush=True)
     net = cnn(args.width).to(device)
     optimizer = torch.optim.Adam(net.parameters(), 1e-3)
@@ -79,8 +84,8 @@ def main() -> None:
         step += 1
         if time.time() - shown > args.seconds / 12:
             shown = time.time()
-            print(f"{shown - start:6.0f} s  step {step}  loss {loss.item():.3f}  validation {accuracy(net, x_val, y_val):.4f}",
-                  flush=True)
+            score = accuracy(net, x_val, y_val)
+            print(f"{shown - start:6.0f} s  step {step}  loss {loss.item():.3f}  validation {score:.4f}", flush=True)
     print(f"final validation accuracy {accuracy(net, x_val, y_val):.4f} after {step} steps")
 
 

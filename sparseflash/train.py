@@ -364,6 +364,7 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
     seed = int(cfg.seed)
     seed_everything(seed + ctx.rank)
     task = _load_task(cfg.task, seed, ctx)
+    augment = grid_augment(cfg.task.get("augment"), task.image_size, task.name, seed + ctx.rank, device)
     model, module = _build_model(cfg, task, ctx, compile_backend)
     optimizer, scheduler = _optimizer(module, tr)
     stream = BatchStream(len(task.train), int(tr.batch_size), seed, ctx.rank, ctx.world)
@@ -386,7 +387,6 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
     save = functools.partial(state.save, ckpt_path, **parts, ctx=ctx, config=OmegaConf.to_container(cfg, resolve=True))
     window, timed_out = _Window(), False
     loader = BatchLoader(task.train, device)
-    augment = grid_augment(cfg.task.get("augment"), task.image_size, task.name, seed + ctx.rank, device)
     model.train()
     with _sigterm_flag() as sigterm:
         try:

@@ -354,8 +354,11 @@ def build(cfg, seed: int = 0) -> TaskData:
         if not images:
             raise ValueError(f"no readable Pathfinder images listed in {root / 'metadata'}")
     seqs = [img.reshape(-1).astype(np.int16) + 1 for img in images]
+    shapes = {img.shape for img in images}
+    side = shapes.pop()[0] if len(shapes) == 1 and images[0].shape[0] == images[0].shape[1] else None
     full = SequenceDataset(seqs, labels)
     fractions = list(cfg.get("splits", [0.8, 0.1, 0.1]))
     tr, va, te = seeded_split(len(full), [float(fractions[0]), float(fractions[1]), -1], int(cfg.get("split_seed", 0)))
     return TaskData("pathfinder", full.subset(tr), full.subset(va), full.subset(te), num_classes=2,
-                    vocab_size=257, max_len=max(len(s) for s in seqs), info={"majority": full.subset(te).majority()}, image_size=size)
+                    vocab_size=257, max_len=max(len(s) for s in seqs), info={"majority": full.subset(te).majority()},
+                    image_size=side)
