@@ -154,7 +154,8 @@ def test_pathfinder_augmented_trains_differently_and_resumes_exactly(tmp_path):
     plain = run(make_cfg(tmp_path, *common), run_dir=tmp_path / "plain")
     straight = run(make_cfg(tmp_path, *common, "task.augment=dihedral"), run_dir=tmp_path / "a")
     assert straight["test_loss"] != plain["test_loss"]  # the training images were turned
-    stopped = run(make_cfg(tmp_path, *common, "task.augment=dihedral", "trainer.stop_after=4"), run_dir=tmp_path / "b")
+    stopped = run(make_cfg(tmp_path, *common, "task.augment=dihedral", "trainer.stop_after=4"),
+                  run_dir=tmp_path / "b")
     assert stopped["stopped_at"] == 4
     resumed = run(make_cfg(tmp_path, *common, "task.augment=dihedral", "resume=true"), run_dir=tmp_path / "b")
     for key in ("test_acc", "test_loss", "best_val_acc", "steps"):
