@@ -164,6 +164,13 @@ def test_pathfinder_augmented_trains_differently_and_resumes_exactly(tmp_path):
         run(make_cfg(tmp_path, "+task.augment=dihedral"), run_dir=tmp_path / "listops")
 
 
+def test_cifar_trains_with_left_right_mirrors(tmp_path):
+    common = [*_task_overrides("image_cifar", tmp_path), "trainer.max_steps=3", "trainer.eval_every=3"]
+    plain = run(make_cfg(tmp_path, *common), run_dir=tmp_path / "plain")
+    mirrored = run(make_cfg(tmp_path, *common, "task.augment=hflip"), run_dir=tmp_path / "mirrored")
+    assert mirrored["steps"] == 3 and mirrored["test_loss"] != plain["test_loss"]
+
+
 def _wandb_records(path):
     """The protobuf records of a ``.wandb`` transaction log: a 7-byte header (``:W&B``, magic,
     version), then 32 KiB blocks of LevelDB-log chunks (crc32, length, type: 1 full, 2 first,
