@@ -11,7 +11,8 @@ drewlinsley/pathfinder, ``snakes2.py`` and ``snakes.py``) with LRA's pathfinder3
 lra_benchmarks/data/pathfinder.py): ``contour_length=14`` paddles, ``paddle_length=2``,
 ``paddle_margin=1``, ``paddle_thickness=0.5``, ``marker_radius=1.5``, ``seed_distance=7``,
 ``continuity=1.0``, ``padding=1``, anti-aliasing 2x, ``distractor_length=14 // 3``,
-``num_distractors=20 // distractor_length``. As there:
+``num_distractors=20 // distractor_length``, ``paddle_contrast_list=[0.75]``,
+``snake_contrast_list=[2]``. As there:
 
 * The two target snakes start near the centre, ``seed_distance`` apart, and grow (in turn) paddle by
   paddle from that end. A paddle starts ``2 * paddle_margin`` after the end of the previous one (the
@@ -32,10 +33,16 @@ are never 8-connected, not even with the gaps drawn (``render(..., closed=True)`
 placement and random draws are the same). The original compares masks resized with a lanczos filter
 (``mask + new < 1.8``), which lets contours come closer. Strokes are drawn one fine pixel wide on
 the 2x grid and box-filtered (the original: PIL lines, lanczos); a paddle's ink is as long as the
-paddle, half a fine pixel short of its end points at each end (they still count as used). Paddles
-have intensity ``contrast`` (0.75), markers 1.0; the original's per-snake contrast factor (2 in LRA's
-run) and its single-paddle distractors (off in its wrapper) are left out. Lengths are given for 32x32
-and scale with ``size / 32``.
+paddle, half a fine pixel short of its end points at each end (they still count as used). Lengths
+are given for 32x32 and scale with ``size / 32``. The original's single-paddle distractors (off in
+its wrapper) are left out.
+
+Intensities follow the original's: the two target snakes are drawn at ``contrast * snake_contrast``
+(its paddle contrast times its snake contrast, 0.75 * 2 in LRA's run), the distractors at
+``snake_contrast`` alone (``make_many_snakes`` is given the snake contrasts only), the markers at 1
+(kept where brighter, as its ``np.maximum``), and the image is scaled so that its brightest pixel is
+255 (the byte scaling of scipy's ``imsave``, which wrote LRA's images). So the target contours are
+three quarters as bright as the distractors: a cue that the images carry.
 
 Released metadata: ``metadata/<n>.npy`` are text files, one image a line, space-separated:
 ``imgs/<n> sample_<k>.png <...> <label> ...`` (directory, file name, ..., label in column 4).
@@ -61,8 +68,10 @@ LAYOUT = """<task.data_dir>/                    (LRA's lra_release/pathfinder32/
     metadata/<n>.npy                 text: "imgs/<n> sample_<k>.png <x> <label> ..." a line"""
 
 DEFAULTS = dict(contour_length=14, paddle_length=2, paddle_margin=1, paddle_thickness=0.5, marker_radius=1.5,
-                seed_distance=7, continuity=1.0, padding=1, antialias=2, contrast=0.75)
-VERSION = 2  # of the generator; part of the disk cache's key (1: contours drawn without collision test)
+                seed_distance=7, continuity=1.0, padding=1, antialias=2, contrast=0.75, snake_contrast=2.0)
+# of the generator; part of the disk cache's key (1: contours drawn without collision test; 2: every
+# contour at one intensity)
+VERSION = 3
 
 _OWN = 1            # a paddle may come near this many paddles before it on its own snake
 _TURNS = 16         # candidate turns for each paddle
@@ -224,11 +233,13 @@ class _Scene:
 def render(rng: np.random.Generator, label: int, size: int = 32, contour_length: int = 14,
            paddle_length: float = 2, paddle_margin: float = 1, paddle_thickness: float = 0.5,
            marker_radius: float = 1.5, seed_distance: float = 7, continuity: float = 1.0, padding: int = 1,
-           antialias: int = 2, contrast: float = 0.75, distractor_length: int | None = None,
-           num_distractors: int | None = None, closed: bool = False) -> np.ndarray:
+           antialias: int = 2, contrast: float = 0.75, snake_contrast: float = 2.0,
+           distractor_length: int | None = None, num_distractors: int | None = None, closed: bool = False,
+           with_markers: bool = False):
     """One Pathfinder image, uint8 ``(size, size)``; ``label`` 1 = the markers are connected.
     ``closed=True`` also draws the gaps between paddles (same random draws, same placement: each
-    contour is then one connected stroke; for checking the generator)."""
+    contour is then one connected stroke; for checking the generator). ``with_markers=True`` returns
+    ``(image, markers)``, ``markers`` the bool ``(size, size)`` mask of the pixels the markers touch."""
     distractor_length = distractor_length or max(1, contour_length // 3)
     num_distractors = 20 // distractor_length if num_distractors is None else num_distractors
     s = int(antialias)
@@ -262,17 +273,24 @@ def render(rng: np.random.Generator, label: int, size: int = 32, contour_length:
                 break
             for part in sn[0] if sn else []:
                 scene.remove(part[2])
+    targets = {unit[2] for snake in (a[0], b[0]) for unit in snake}
     canvas = np.zeros((big, big), dtype=np.float32)
-    for inked, other in scene.strokes.values():
-        canvas[inked[:, 0], inked[:, 1]] = contrast
+    for uid, (inked, other) in scene.strokes.items():
+        level = snake_contrast * (contrast if uid in targets else 1.0)
+        canvas[inked[:, 0], inked[:, 1]] = level
         if closed:
-            canvas[other[:, 0], other[:, 1]] = contrast
+            canvas[other[:, 0], other[:, 1]] = level
     first = int(rng.integers(0, 2))
     ends = [(a, b)[first][1], (a, b)[first if label else 1 - first][0][-1][0]]
     marks = scene.marker(np.stack(ends)).reshape(-1, 2)
-    canvas[marks[:, 0], marks[:, 1]] = 1.0
+    canvas[marks[:, 0], marks[:, 1]] = np.maximum(canvas[marks[:, 0], marks[:, 1]], 1.0)
     img = canvas.reshape(size, s, size, s).mean(axis=(1, 3))
-    return np.clip(img * 255.0 + 0.5, 0, 255).astype(np.uint8)
+    img = np.clip(img * (255.0 / img.max()) + 0.5, 0, 255).astype(np.uint8)
+    if not with_markers:
+        return img
+    markers = np.zeros((size, size), dtype=bool)
+    markers[marks[:, 0] // s, marks[:, 1] // s] = True
+    return img, markers
 
 
 def _render_chunk(args):

@@ -17,7 +17,7 @@ def test_pathfinder_generator_seeded_and_cached(tmp_path):
     b, yb = pathfinder.generate(6, seed=1, workers=1)
     assert a.shape == (6, 32, 32) and a.dtype == np.uint8
     assert (a == b).all() and (ya == yb).all()
-    assert (a.reshape(6, -1).max(1) == 255).all()  # markers are drawn at full intensity
+    assert (a.reshape(6, -1).max(1) == 255).all()  # byte-scaled to its brightest pixel, as LRA's images
     big, _ = pathfinder.generate(2, size=64, seed=0, workers=1)
     assert big.shape == (2, 64, 64)
     imgs, labels = pathfinder.load_generated(tmp_path, 8, 32, 0, {})
@@ -74,12 +74,12 @@ def components(mask: np.ndarray) -> np.ndarray:
     return labels
 
 
-def marker_components(img: np.ndarray) -> set:
-    """The components (of all lit pixels) holding the two markers (the pixels at 255)."""
-    markers = components(img == 255)
-    assert markers.max() == 2, "expected two separate markers"
+def marker_components(img: np.ndarray, markers: np.ndarray) -> set:
+    """The components (of all lit pixels) holding the two markers (``markers``: their pixels)."""
+    each = components(markers)
+    assert each.max() == 2, "expected two separate markers"
     lit = components(img > 0)
-    return {int(lit[markers == m][0]) for m in (1, 2)}
+    return {int(lit[each == m][0]) for m in (1, 2)}
 
 
 @pytest.mark.parametrize("params", [{"closed": True}, {"paddle_margin": 0}], ids=["gaps_closed", "no_gaps"])
@@ -88,17 +88,33 @@ def test_markers_connected_iff_label(params):
     8-connected stroke and contours never touch: the markers share a component iff label == 1."""
     rng = np.random.default_rng(7)
     for label in [0, 1] * 50:
-        img = pathfinder.render(rng, label, 32, **{**pathfinder.DEFAULTS, **params})
-        assert len(marker_components(img)) == 2 - label
+        img, markers = pathfinder.render(rng, label, 32, **{**pathfinder.DEFAULTS, **params}, with_markers=True)
+        assert len(marker_components(img, markers)) == 2 - label
+
+
+def test_target_contours_three_quarters_as_bright_as_distractors():
+    """As in LRA's images: the two target snakes at paddle contrast x snake contrast (0.75 x 2), the
+    distractors at the snake contrast (2). With label 0 each marker's component is a target snake."""
+    ratios = []
+    for seed in range(0, 40, 2):
+        img, markers = pathfinder.render(np.random.default_rng(seed), 0, 32, **pathfinder.DEFAULTS, closed=True,
+                                         with_markers=True)
+        lit = components(img > 0)
+        targets = np.isin(lit, list(marker_components(img, markers)))
+        distractors = (lit > 0) & ~targets
+        if distractors.any():
+            ratios.append(np.median(img[targets & ~markers]) / np.median(img[distractors]))
+    assert len(ratios) >= 15 and 0.7 < np.median(ratios) < 0.8 and max(ratios) < 0.9
 
 
 def test_paddles_dashed():
-    """The images are the closed ones less the gaps: paddles separated by dark pixels."""
+    """The images are the closed ones less the gaps (their lit pixels: each image is scaled to its own
+    brightest): paddles separated by dark pixels."""
     ratios = []
     for seed in range(20):
         open_ = pathfinder.render(np.random.default_rng(seed), seed % 2, 32, **pathfinder.DEFAULTS)
         closed = pathfinder.render(np.random.default_rng(seed), seed % 2, 32, **pathfinder.DEFAULTS, closed=True)
-        assert (open_ <= closed).all() and (open_ < closed).any()
+        assert ((open_ > 0) <= (closed > 0)).all() and ((open_ > 0) < (closed > 0)).any()
         ratios.append(components(open_ > 0).max() / components(closed > 0).max())
     # 7 contours (2 of 14 paddles, 5 of 4): 48 pieces (ratio 6.9) if every gap shows
     assert np.mean(ratios) > 5
