@@ -2,8 +2,7 @@
 
 - AdamW; linear warm-up then ``constant``/``linear``/``cosine``/``rsqrt`` decay; gradient clipping;
   bf16 autocast on CUDA (``trainer.precision``).
-- ``trainer.max_time`` (seconds) ends training early, at the next logged step, still testing the best
-  weights.
+- ``trainer.max_time`` (seconds) ends training early, still testing the best weights.
 - Evaluation every ``trainer.eval_every`` steps; the weights with the best validation accuracy
   are kept and the test set is scored with them (not with the last weights).
 - Checkpoints (``<run_dir>/checkpoints/last.pt``, see ``sparseflash.train_state``) hold
@@ -18,9 +17,7 @@
 - DDP under ``torchrun`` (gloo on CPU, nccl on CUDA; ``sparseflash.distributed``): the global
   batch is split across ranks (``sparseflash.data.stream``), evaluation is sharded and summed;
   only rank 0 logs and writes.
-- Logged every ``trainer.log_every`` steps (averages): loss, acc, lr, step_time, tokens_per_s,
-  peak_mem_mb. A record is the loop's one wait for the device, so that between records the host
-  queues the next steps while the device runs. Per evaluation: val_loss,
+- Logged per step: loss, acc, lr, step_time, tokens_per_s, peak_mem_mb; per evaluation: val_loss,
   val_acc; with both, ``elapsed`` (the run's seconds so far, summed over resumed legs); at the end:
   best_val_acc, test_acc, total_time, the mask's density and picture.
   ``metrics.jsonl``, ``config.yaml`` and ``results.json`` go into the run directory. Console
@@ -55,7 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sparseflash.data import TaskData, build_task
 from sparseflash.data.augment import grid_augment
-from sparseflash.data.stream import BatchLoader, BatchStream, load_batch
+from sparseflash.data.stream import BatchLoader, BatchStream, count_tokens, load_batch
 from sparseflash.distributed import Dist
 from sparseflash.logging import RunLogger, console_fallback, drop_records_after
 from sparseflash.masks import MaskSpec, import_patterns
@@ -256,47 +253,30 @@ class _Console:
 
 
 class _Window:
-    """Training metrics of the steps since the last record (``trainer.log_every``), averaged. Loss and
-    accuracy stay on the device until the record, the loop's one wait for it: between records the
-    host queues the next steps while the device runs the last ones (small models are otherwise
-    bound by the host). ``paused()`` keeps validation and checkpoints out of the steps' time."""
+    """Training metrics of the steps since the last record, averaged (``trainer.log_every``)."""
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self.losses: list[torch.Tensor] = []
-        self.accs: list[torch.Tensor] = []
-        self.tokens = 0
-        self.start = time.perf_counter()
+        self.loss = self.acc = self.seconds = 0.0
+        self.steps = self.tokens = 0
 
-    def add(self, loss: torch.Tensor, acc: torch.Tensor, tokens: int) -> None:
-        self.losses.append(loss.detach())
-        self.accs.append(acc)
+    def add(self, loss: float, acc: float, tokens: float, seconds: float) -> None:
+        self.loss += loss
+        self.acc += acc
         self.tokens += tokens
+        self.seconds += seconds
+        self.steps += 1
 
-    @contextlib.contextmanager
-    def paused(self, device: torch.device) -> Iterator[None]:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the queued steps' time is theirs, not the block's
-        paused_at = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.start += time.perf_counter() - paused_at
-
-    def record(self, lr: float, device: torch.device, epoch: int, ctx: Dist,
-               flags: list[float]) -> tuple[dict, list[float]]:
-        """The averages over the steps and ranks (and the current lr, memory peak, epoch), and
-        ``flags`` summed over the ranks; a fresh window."""
-        sums = torch.stack([torch.stack(self.losses).double().sum(), torch.stack(self.accs).double().sum()])
-        loss, acc, tokens, *flags = ctx.sum([*sums.tolist(), float(self.tokens), *flags])
-        seconds, n = time.perf_counter() - self.start, len(self.losses) * ctx.world
-        record = {"loss": loss / n, "acc": acc / n, "lr": lr, "step_time": seconds / len(self.losses),
-                  "tokens_per_s": tokens / max(seconds, 1e-9), "peak_mem_mb": _peak_mem_mb(device),
+    def record(self, lr: float, device: torch.device, epoch: int) -> dict:
+        """The averages (and the current lr, memory peak, epoch), and a fresh window."""
+        n = self.steps
+        record = {"loss": self.loss / n, "acc": self.acc / n, "lr": lr, "step_time": self.seconds / n,
+                  "tokens_per_s": self.tokens / max(self.seconds, 1e-9), "peak_mem_mb": _peak_mem_mb(device),
                   "epoch": epoch}
         self.reset()
-        return record, flags
+        return record
 
 
 def _peak_mem_mb(device: torch.device) -> float:
@@ -332,18 +312,17 @@ def evaluate(model, dataset, *, batch_size: int, device, autocast, ctx: Dist, ma
     starts = list(range(0, n, batch_size))
     if max_batches:
         starts = starts[: int(max_batches)]
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, correct: read back once, at the end
-    count = 0
+    loss_sum = correct = count = 0.0
     for i, start in enumerate(starts):
         if i % ctx.world != ctx.rank:
             continue
         batch = load_batch(dataset, range(start, min(n, start + batch_size)), device)
         with autocast():
             logits = model(batch)
-        sums[0] += F.cross_entropy(logits.float(), batch["y"], reduction="sum").double()
-        sums[1] += (logits.argmax(-1) == batch["y"]).sum()
+        loss_sum += F.cross_entropy(logits.float(), batch["y"], reduction="sum").item()
+        correct += (logits.argmax(-1) == batch["y"]).sum().item()
         count += batch["y"].numel()
-    loss_sum, correct, count = ctx.sum([*sums.tolist(), float(count)])
+    loss_sum, correct, count = ctx.sum([loss_sum, correct, count])
     model.train(was_training)
     return {"loss": loss_sum / max(1.0, count), "acc": correct / max(1.0, count), "count": int(count)}
 
@@ -412,8 +391,8 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
     with _sigterm_flag() as sigterm:
         try:
             while state.step < max_steps:
-                indices = stream.next()
-                batch = loader.load(indices)
+                t0 = time.perf_counter()
+                batch = loader.load(stream.next())
                 if augment is not None:
                     batch = augment(batch, state.step)
                 with autocast():
@@ -428,15 +407,19 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
                 state.step += 1
                 if state.step < max_steps:
                     loader.prefetch(stream.peek())  # while the device runs this step
-                window.add(loss, (logits.argmax(-1) == batch["y"]).float().mean(), task.train.tokens(indices))
-                record, lates, terms = None, 0.0, 0.0
+                acc = (logits.argmax(-1) == batch["y"]).float().mean().item()
+                term = 1.0 if sigterm["set"] else 0.0
+                late = 1.0 if max_time and state.seconds() > float(max_time) else 0.0
+                # summed over the ranks with the metrics, so that every rank takes the same decisions
+                loss_sum, acc_sum, tokens, terms, lates = ctx.sum([loss.item(), acc, float(count_tokens(batch)),
+                                                                   term, late])
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                window.add(loss_sum / ctx.world, acc_sum / ctx.world, tokens, time.perf_counter() - t0)
+                record = None
                 logged = state.step % log_every == 0 or state.step == max_steps
                 if logged:
-                    # summed over the ranks with the metrics, so that every rank takes the same decisions
-                    flags = [1.0 if sigterm["set"] else 0.0,
-                             1.0 if max_time and state.seconds() > float(max_time) else 0.0]
-                    record, (terms, lates) = window.record(scheduler.get_last_lr()[0], device, stream.epoch, ctx,
-                                                           flags)
+                    record = window.record(scheduler.get_last_lr()[0], device, stream.epoch)
                     logger.log({**record, "elapsed": state.seconds()}, step=state.step)
                     if state.step % print_every == 0:
                         console.step(state.step, f"loss {record['loss']:.4f} | acc {record['acc']:.3f} | "
@@ -444,8 +427,7 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
                                                  f"{record['tokens_per_s']:.0f} tok/s")
                 console.advance(record)
                 if eval_every > 0 and (state.step % eval_every == 0 or state.step == max_steps):
-                    with window.paused(device):
-                        validate()
+                    validate()
                 if lates > 0 and state.step < max_steps:
                     console.line(f"trainer.max_time={max_time}s reached at step {state.step}: stopping early, "
                                  f"testing the best-validation weights")
@@ -456,8 +438,7 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
                 # is cut and a resumed run logs what an uninterrupted one does
                 signalled = logged and terms > 0
                 if (ckpt_every and state.step % ckpt_every == 0) or stop_now or signalled:
-                    with window.paused(device):
-                        save()
+                    save()
                 if stop_now or signalled:
                     console.line(f"stopped at step {state.step}; checkpoint in {ckpt_path} "
                                  f"(continue with resume=true hydra.run.dir={run_dir})")

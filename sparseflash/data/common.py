@@ -55,13 +55,6 @@ class SequenceDataset(torch.utils.data.Dataset):
     def subset(self, idx: Sequence[int] | np.ndarray) -> "SequenceDataset":
         return SequenceDataset([self.seqs[i] for i in idx], self.labels[np.asarray(idx, dtype=np.int64)], self.pair)
 
-    def tokens(self, idx: Sequence[int]) -> int:
-        """Tokens of the examples ``idx`` without padding (both sequences of a pair): what a batch of
-        them holds, known without reading the batch back from its device."""
-        if self.pair:
-            return sum(len(a) + len(b) for a, b in (self.seqs[i] for i in idx))
-        return sum(len(self.seqs[i]) for i in idx)
-
     def majority(self) -> float:
         """Fraction of the most frequent label (the accuracy of always guessing it)."""
         return float(np.bincount(self.labels).max() / max(1, len(self.labels))) if len(self.labels) else 0.0

@@ -83,3 +83,7 @@ class BatchLoader:
         indices = np.array(indices)
         self._ahead = indices, load_batch(self.dataset, indices, self.device)
 
+
+def count_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens in a batch, padding excluded (both documents of a pair)."""
+    return int(batch["lengths"].sum()) + int(batch["lengths2"].sum() if "lengths2" in batch else 0)

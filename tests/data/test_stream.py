@@ -44,13 +44,3 @@ def test_loader_returns_the_prefetched_batch_only_for_its_indices():
     loader.prefetch(stream.peek())
     other = np.array([0, 1, 2, 3])
     assert loader.load(other)["lengths"].tolist() == [len(data.seqs[i]) for i in other]  # not the prefetched one
-
-
-def test_tokens_are_the_batch_lengths_summed_for_single_and_paired_examples():
-    data = _dataset(9, [5, 3, 7, 1])
-    pairs = SequenceDataset([(data.seqs[i], data.seqs[-1 - i]) for i in range(9)], data.labels, pair=True)
-    for dataset in (data, pairs):
-        idx = np.random.default_rng().permutation(9)[:4]
-        batch = collate([dataset[i] for i in idx])
-        expected = int(batch["lengths"].sum()) + (int(batch["lengths2"].sum()) if dataset.pair else 0)
-        assert dataset.tokens(idx) == expected
