@@ -379,7 +379,7 @@ class _Tracer:
             kind = "bool"
         elif op in ("and", "or", "xor"):
             if "float" in kinds:
-                raise TraceError(f"applies &, | or ^ to a float: they take booleans or integers")
+                raise TraceError("applies &, | or ^ to a float: they take booleans or integers")
             kind = "bool" if kinds == {"bool"} else "int"
         elif op in ("floordiv", "mod"):
             if kinds != {"int"}:
