@@ -6,15 +6,14 @@ error of a plain PyTorch implementation in the inputs' own precision (``referenc
 upcast=False)``: scores and ``p @ v`` in that dtype, the softmax in fp32), plus one rounding step of
 the dtype at the tensor's largest magnitude (outputs are rounded to it once; bf16 gradients get
 ``GRADIENT_STEPS``, gradients of captured tensors ``CAPTURE_GRADIENT_STEPS`` and their summation
-order's fp32 rounding, ``capture_order_error``), and each gradient what delta taken from the stored o
-moves it by (``_stored_o_shift``). So a few corrupted
-rows fail even where a whole-tensor norm would hide them. The relative error over the tensor must
-stay within the dtype's ``REL_TOL`` too, nothing may be NaN, and the ``-inf`` entries of lse (rows
-that see no key) must match exactly. lse is computed in fp32 by every backend and is held to an
-fp32 tolerance (``LSE_TOL``), except for fp32 inputs on a GPU, whose dots run in TF32 by design:
-there the baseline also uses TF32, lse follows the ``FACTOR`` rule and the relative error may reach
-``TF32_REL_TOL``. A call with dropout (``SeededDropout``) is judged against the reference with the
-dropout the call drew.
+order's fp32 rounding, ``capture_order_error``), and dq, dk and captured gradients what delta taken
+from the stored o moves them by (``_stored_o_shift``). So a few corrupted rows fail even where a
+whole-tensor norm would hide them. The relative error over the tensor must stay within the dtype's
+``REL_TOL`` too, nothing may be NaN, and the ``-inf`` entries of lse (rows that see no key) must
+match exactly. lse is computed in fp32 by every backend and is held to an fp32 tolerance
+(``LSE_TOL``), except for fp32 inputs on a GPU, whose dots run in TF32 by design: there the baseline
+also uses TF32, lse follows the ``FACTOR`` rule and the relative error may reach ``TF32_REL_TOL``. A
+call with dropout (``SeededDropout``) is judged against the reference with the dropout the call drew.
 """
 
 from __future__ import annotations
@@ -194,13 +193,13 @@ def check_outputs(got: Outputs, q, k, v, mask, do, key_lengths=None, *, scale=No
     want = _oracle(q, k, v, mask, do, key_lengths, scale, dlse, True, score_mod, drawn)
     plain = _oracle(q, k, v, mask, do, key_lengths, scale, dlse, False, score_mod, drawn)
     tf32 = dtype is torch.float32 and q.is_cuda
-    shift = None
-    if got.dcaptures or any(name.startswith("d") for name in names):
-        shift = _stored_o_shift(got, want, q, k, v, mask, do, key_lengths, scale, score_mod, drawn)
+    shifts = None  # what delta from the stored o moves dq, dk and the captured gradients by (not dv)
+    if got.dcaptures or any(name in ("dq", "dk") for name in names):
+        shifts = _stored_o_shift(got, want, q, k, v, mask, do, key_lengths, scale, score_mod, drawn)
     triples = [(name, getattr(got, name), getattr(want, name), getattr(plain, name),
-                getattr(shift, name) if name.startswith("d") else None) for name in names]
-    triples += [(f"dcapture{i}", *grads) for i, grads in enumerate(zip(got.dcaptures, want.dcaptures,
-                                                                         plain.dcaptures, shift.dcaptures if shift else ()))]
+                getattr(shifts, name) if name in ("dq", "dk") else None) for name in names]
+    captured = zip(got.dcaptures, want.dcaptures, plain.dcaptures, shifts.dcaptures if shifts else ())
+    triples += [(f"dcapture{i}", *grads) for i, grads in enumerate(captured)]
     for name, actual, expected, baseline, shift in triples:
         if name.startswith("dcapture"):  # in the captured tensor's dtype: compared in the inputs' terms
             actual, expected, baseline = actual.to(dtype), expected.to(torch.float64), baseline.to(dtype)

@@ -320,7 +320,7 @@ def test_smoke_preset_trains_with_sparse_attention(tmp_path):
     assert results["mask_density"] <= 0.7  # butterfly over >= 5 blocks of 16 tokens, not one dense tile
 
 
-def test_max_time_stops_early_and_tests_the_best_weights(tmp_path):
+def test_max_time_stops_early_validates_and_tests(tmp_path):
     """A run past ``trainer.max_time`` stops after its current step, validates the steps since the last
     validation and scores the test set (``time_limited`` in its results)."""
     cfg = make_cfg(tmp_path, "trainer.max_steps=20", "trainer.eval_every=5", "trainer.max_time=1e-9")

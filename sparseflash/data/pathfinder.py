@@ -69,8 +69,8 @@ LAYOUT = """<task.data_dir>/                    (LRA's lra_release/pathfinder32/
 
 DEFAULTS = dict(contour_length=14, paddle_length=2, paddle_margin=1, paddle_thickness=0.5, marker_radius=1.5,
                 seed_distance=7, continuity=1.0, padding=1, antialias=2, contrast=0.75, snake_contrast=2.0)
-# of the generator; part of the disk cache's key (1: contours drawn without collision test; 2: every
-# contour at one intensity)
+# The generator's version, part of the disk cache's key (1: contours drawn without collision test;
+# 2: every contour at one intensity)
 VERSION = 3
 
 _OWN = 1            # a paddle may come near this many paddles before it on its own snake
@@ -235,7 +235,7 @@ def render(rng: np.random.Generator, label: int, size: int = 32, contour_length:
            marker_radius: float = 1.5, seed_distance: float = 7, continuity: float = 1.0, padding: int = 1,
            antialias: int = 2, contrast: float = 0.75, snake_contrast: float = 2.0,
            distractor_length: int | None = None, num_distractors: int | None = None, closed: bool = False,
-           with_markers: bool = False):
+           with_markers: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """One Pathfinder image, uint8 ``(size, size)``; ``label`` 1 = the markers are connected.
     ``closed=True`` also draws the gaps between paddles (same random draws, same placement: each
     contour is then one connected stroke; for checking the generator). ``with_markers=True`` returns
@@ -273,7 +273,7 @@ def render(rng: np.random.Generator, label: int, size: int = 32, contour_length:
                 break
             for part in sn[0] if sn else []:
                 scene.remove(part[2])
-    targets = {unit[2] for snake in (a[0], b[0]) for unit in snake}
+    targets = {part[2] for snake in (a[0], b[0]) for part in snake}  # the units of the two target snakes
     canvas = np.zeros((big, big), dtype=np.float32)
     for uid, (inked, other) in scene.strokes.items():
         level = snake_contrast * (contrast if uid in targets else 1.0)

@@ -89,7 +89,7 @@ def test_markers_connected_iff_label(params):
     rng = np.random.default_rng(7)
     for label in [0, 1] * 50:
         img, markers = pathfinder.render(rng, label, 32, **{**pathfinder.DEFAULTS, **params}, with_markers=True)
-        assert len(marker_components(img, markers)) == 2 - label
+        assert (img[markers] > 0).all() and len(marker_components(img, markers)) == 2 - label
 
 
 def test_target_contours_three_quarters_as_bright_as_distractors():
