@@ -270,11 +270,33 @@ def test_gpu_long_sequences(pattern):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim", [1, 40, 96, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dim", [1, 40, 96, 160, 256], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("pattern", ["causal", "butterfly"])
 def test_gpu_padded_head_dims(pattern, dim):
     q, k, v, do = _inputs(2, 4, 2, 1000, 1000, dim, torch.bfloat16, "cuda")
     check_backend("triton", q, k, v, make(pattern, 1000, block=128), do)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["forward", "backward"])
+@pytest.mark.parametrize("pattern", ["dense", "causal"])
+def test_gpu_every_head_dim_256_candidate(pattern, kernel):
+    """Each candidate config of ``kernel`` at padded head_dim 256 (a tuner may pick any of them),
+    pinned in turn, against the reference; head_dim 192, GQA, a ragged length."""
+    from sparseflash.attention.triton import tuning
+    from sparseflash.attention.triton.plan import LaunchPlan
+
+    q, k, v, do = _inputs(2, 4, 2, 1000, 1000, 192, torch.bfloat16, "cuda")
+    mask = make(pattern, 1000, block=128)
+    key = LaunchPlan.of(q, k, mask, False, 192 ** -0.5).config_key
+    for cfg in tuning.candidates(kernel, key):
+        tuning.pin(kernel, key, cfg)
+        try:
+            with tuning.recording() as launched:
+                check_backend("triton", q, k, v, mask, do)
+        finally:
+            tuning.forget()
+        assert (kernel, cfg) in {(entry.kernel, entry.config) for entry in launched}, f"{cfg} was not launched"
 
 
 @pytest.mark.gpu

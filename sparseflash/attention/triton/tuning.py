@@ -118,7 +118,8 @@ CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
     "backward": {
         128: _configs((128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3),
                       (128, 32, 8, 2), (128, 128, 8, 2)),
-        256: _configs((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)),
+        # 8 warps: with 4, a 64-key tile's dK and dV (2 x 64 x 256 fp32) spill from 128 threads' registers
+        256: _configs((64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
     },
 }
 # The persistent forward, where the key allows it: 4 warps, the only count Triton's warp
