@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sparseflash.attention.score_mods import make_score_mod
+from sparseflash.attention.triton.plan import forward_head_dims
 from sparseflash.masks import make
 from tests.helpers import REL_TOL as TOL
 from tests.helpers import assert_close, attention_with_grads, check_backend
@@ -103,6 +104,12 @@ CPU_CASES = [
     ("dense", 96, 64, 16, torch.float16, False, False),
     ("causal", 96, 96, 16, torch.float16, False, True),
     ("causal", 128, 64, 32, torch.bfloat16, True, False),
+    # head dims the forward computes as two parts (plan.forward_head_dims): exactly (96 = 64 + 32,
+    # 48 = 32 + 16), and with the second part padded (72 in 64 + 16), EVEN_LENGTHS and ragged
+    ("causal", 111, 111, 96, torch.bfloat16, True, False),
+    ("butterfly", 63, 100, 48, torch.float16, False, True),
+    ("dense", 64, 64, 72, torch.bfloat16, True, "cut"),
+    ("random-per-head", 70, 90, 72, torch.float32, False, False),
 ]
 
 
@@ -115,6 +122,41 @@ def _case_id(case) -> str:
 @pytest.mark.parametrize("case", CPU_CASES, ids=_case_id)
 def test_triton_matches_reference(case):
     _compare(*case, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_forward_head_dim_parts():
+    """For every head dim 1-256: two parts where two powers of two >= 16 cover it with fewer columns
+    than its padding, one padded part otherwise; D_PADDED exactly where the columns exceed it."""
+    powers = (16, 32, 64, 128, 256)
+    for dim in range(1, 257):
+        parts = forward_head_dims(dim)
+        padded = min(p for p in powers if p >= dim)
+        first, second = parts["HEAD_DIM"], parts["HEAD_DIM2"]
+        assert first in powers and second in (0, *powers), (dim, parts)
+        assert dim <= first + second <= padded and parts["D_PADDED"] == (first + second != dim), (dim, parts)
+        would_save = any(dim <= a + b < padded for a in powers for b in powers)
+        assert (second > 0) == would_save, (dim, parts)
+
+
+@pytest.mark.parametrize("dim, parts", [(96, (64, 32)), (72, (64, 16)), (128, (128, 0))], ids=["d96", "d72", "d128"])
+@pytest.mark.parametrize("q_len", [40, 3], ids=["forward", "decode"])
+def test_the_forward_launches_with_the_head_dim_parts(dim, parts, q_len, monkeypatch):
+    """The regular and decode forwards run the split variant where forward_head_dims splits (the
+    comparisons above would pass padded too); the backward pads."""
+    from sparseflash.attention.triton.launch import Launcher
+
+    launched = {}
+    real_call = Launcher.__call__
+
+    def spy(self, grid, tensors, scalars, constexprs):
+        launched[self.kernel.__name__] = (constexprs.get("HEAD_DIM"), constexprs.get("HEAD_DIM2"))
+        return real_call(self, grid, tensors, scalars, constexprs)
+
+    monkeypatch.setattr(Launcher, "__call__", spy)
+    q, k, v, do = _inputs(1, 2, 1, q_len, 50, dim, torch.bfloat16, "cpu")
+    check_backend("triton", q, k, v, make("causal", q_len, 50, block=16), do)
+    assert launched.pop("_attn_fwd" if q_len > 16 else "_attn_fwd_decode") == parts
+    assert "_attn_bwd" in launched and all(dims in ((128, None), (None, None)) for dims in launched.values()), launched
 
 
 @pytest.mark.gpu
@@ -270,7 +312,7 @@ def test_gpu_long_sequences(pattern):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim", [1, 40, 96, 160, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dim", [1, 40, 80, 96, 160, 192, 256], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("pattern", ["causal", "butterfly"])
 def test_gpu_padded_head_dims(pattern, dim):
     q, k, v, do = _inputs(2, 4, 2, 1000, 1000, dim, torch.bfloat16, "cuda")
@@ -278,17 +320,20 @@ def test_gpu_padded_head_dims(pattern, dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["forward", "backward"])
+@pytest.mark.parametrize("kernel, dim", [("forward", 96), ("forward", 160), ("forward", 200), ("backward", 200)],
+                         ids=lambda x: str(x))
 @pytest.mark.parametrize("pattern", ["dense", "causal"])
-def test_gpu_every_head_dim_256_candidate(pattern, kernel):
-    """Each candidate config of ``kernel`` at padded head_dim 256 (a tuner may pick any of them),
-    pinned in turn, against the reference; head_dim 192, GQA, a ragged length."""
+def test_gpu_every_candidate_of_the_wide_head_dims(pattern, kernel, dim):
+    """Each candidate config of ``kernel`` (a tuner may pick any of them), pinned in turn, against the
+    reference: the forward's lists of 96 columns (64 + 32), 192 (160 as 128 + 32) and 256 (200, padded),
+    the backward's of 256; GQA, a ragged length."""
     from sparseflash.attention.triton import tuning
     from sparseflash.attention.triton.plan import LaunchPlan
 
-    q, k, v, do = _inputs(2, 4, 2, 1000, 1000, 192, torch.bfloat16, "cuda")
+    q, k, v, do = _inputs(2, 4, 2, 1000, 1000, dim, torch.bfloat16, "cuda")
     mask = make(pattern, 1000, block=128)
-    key = LaunchPlan.of(q, k, mask, False, 192 ** -0.5).config_key
+    plan = LaunchPlan.of(q, k, mask, False, dim ** -0.5)
+    key = plan.forward_config_key if kernel == "forward" else plan.config_key
     for cfg in tuning.candidates(kernel, key):
         tuning.pin(kernel, key, cfg)
         try:

@@ -151,6 +151,23 @@ def test_a_table_entry_that_is_no_candidate_is_passed_over(tunings, monkeypatch)
     assert tuning.run_tuned("forward", key, lambda cfg: None) == tuning.candidates("forward", key)[0]
 
 
+def test_a_split_head_dim_takes_its_own_candidates_and_no_padded_entry(tunings, monkeypatch):
+    """The forward of head_dim 96 (64 + 32 columns) takes the 96-column list and passes over the table's
+    head_dim-128 entries, tuned for another kernel; its backward (padded to 128) takes them."""
+    monkeypatch.delenv("SPARSEFLASH_TUNE")
+    from sparseflash.attention.triton.plan import LaunchPlan
+
+    q = torch.empty(1, 4, 1024, 96)
+    plan = LaunchPlan.of(q, q, make("causal", 1024, block=128), False, 96 ** -0.5)
+    forward_key, padded_key = plan.forward_config_key, plan.config_key
+    assert forward_key.head_dim_parts == "64+32" and forward_key.columns == 96 and padded_key.columns == 128
+    assert tuning.candidates("forward", forward_key) == tuning.CANDIDATES["forward"][96]
+    entry = tuning.CANDIDATES["forward"][96][1]
+    monkeypatch.setattr(tuning, "_table", _table_of(("forward", padded_key, entry), ("backward", padded_key, entry)))
+    assert tuning.run_tuned("forward", forward_key, lambda cfg: None) == tuning.CANDIDATES["forward"][96][0]
+    assert tuning.run_tuned("backward", padded_key, lambda cfg: None) == entry
+
+
 def test_the_shipped_table_reads_and_its_configs_are_candidates(monkeypatch):
     """config_table.json parses, and each entry is a candidate of its own key (a table written for
     other candidate lists would silently fall back to the first candidate)."""

@@ -262,11 +262,11 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
     for t in range(t_lo, t_hi):
         kv_start = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
         offs_kv = kv_start + offs_n
-        s, k_t, v_t, d_score = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m,
-                                               offs_kv, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
-                                               q_start, kv_start, keys, MODS, APPLY_CAUSAL, APPLY_KV_BOUND,
-                                               APPLY_MASK_MOD, MASK_MOD, SCORE_MOD, SCORE_KEYS, D_PADDED, True,
-                                               DOT_PRECISION, WIDEN_DOTS)
+        s, k_t, v_t, _, d_score = key_tile_scores(q, 0, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                                  offs_m, offs_kv, offs_d, 0, kv_bound, head_dim, qk_scale, b, h, q_len,
+                                                  kv_len, q_start, kv_start, keys, MODS, APPLY_CAUSAL, APPLY_KV_BOUND,
+                                                  APPLY_MASK_MOD, MASK_MOD, SCORE_MOD, SCORE_KEYS, 0, D_PADDED, True,
+                                                  DOT_PRECISION, WIDEN_DOTS)
         p = tl.math.exp2(s - lse[:, None])
         dp = mma(do, v_t, None, DOT_PRECISION, WIDEN_DOTS)
         if DROPOUT:

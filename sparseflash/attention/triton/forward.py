@@ -7,7 +7,8 @@ Constexpr flags (one kernel body, specialised by the compiler):
   IS_CAUSAL       apply q_idx >= kv_idx in masked tiles (top-left alignment).
   HAS_KEY_LENGTHS key_lengths[b] bounds the keys of batch b (SPARSE full blocks mask it too).
   BLOCK_M/BLOCK_N kernel tile (queries/keys); each divides SPARSE_BLOCK_M/SPARSE_BLOCK_N.
-  HEAD_DIM        head dim padded to a power of two >= 16; D_PADDED: the real one is smaller.
+  HEAD_DIM        head dim padded to a power of two >= 16, or the first of two parts (HEAD_DIM2: the
+                  second's width, tiles.py); D_PADDED: the real head dim is smaller.
   DOT_PRECISION   tl.dot input precision ("tf32" for fp32 inputs, "ieee" in the interpreter).
   WIDEN_DOTS      interpreter only: widen dot operands to fp32 (its bf16 dot is wrong).
   EVEN_LENGTHS    DENSE and CAUSAL only: both tiles divide q_len and kv_len, so no tile holds a
@@ -40,7 +41,8 @@ import triton.language as tl
 from sparseflash.attention.triton import forward_decode, forward_persistent
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import LaunchPlan
-from sparseflash.attention.triton.tiles import DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_seed, row_tile_ranges
+from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_head_parts, load_seed,
+                                                row_tile_ranges, store_head_parts)
 from sparseflash.attention.triton.tuning import KernelConfig, planned, run_tuned
 
 
@@ -57,7 +59,7 @@ def _attn_fwd(
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
     SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr,
 ):
@@ -71,9 +73,13 @@ def _attn_fwd(
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_d2 = 0
+    if HEAD_DIM2 > 0:
+        offs_d2 = HEAD_DIM + tl.arange(0, HEAD_DIM2)
+    rows_in = offs_m[:, None] < q_len
 
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim), other=0.0)
+    q, q2 = load_head_parts(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm, stride_qd, rows_in,
+                            offs_d, offs_d2, head_dim, HEAD_DIM2)
     k_base = K + b * stride_kb + (h // groups) * stride_kh
     v_base = V + b * stride_vb + (h // groups) * stride_vh
 
@@ -84,14 +90,14 @@ def _attn_fwd(
         FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, q_start, kv_bound,
         stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
         MASK_KIND, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
-    o, lse = forward_row(
-        q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, 0, full_hi, full_idx, part_lo, part_hi,
-        part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_start, MODS,
+    o, o2, lse = forward_row(
+        q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, 0, full_hi, full_idx, part_lo, part_hi,
+        part_idx, offs_m, offs_n, offs_d, offs_d2, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_start, MODS,
         load_seed(SEED, DROPOUT), bh, q_start, dropout_threshold, dropout_scale,
         MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW, DROPOUT,
-        True, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
-    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim))
+        True, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+    store_head_parts(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om, stride_od, rows_in, o, o2,
+                     offs_d, offs_d2, head_dim, HEAD_DIM2)
     tl.store(LSE + bh * q_len + offs_m, lse, mask=offs_m < q_len)
 
 
@@ -114,7 +120,8 @@ def _launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, m
     (FORWARD.compile_ahead if ahead else FORWARD)(
         (cdiv(plan.q_len, cfg.block_m), plan.batch * plan.heads), (q, k, v, o, lse, key_lengths, *tables, mods, seed),
         (*q.stride(), *k.stride(), *v.stride(), *o.stride(), *table_strides, plan.heads, plan.groups,
-         plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale, *dropout_scalars), plan.constexprs(cfg))
+         plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale, *dropout_scalars),
+        plan.constexprs(cfg, **plan.forward_head_dims))
     return cfg
 
 
@@ -132,7 +139,8 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
     mods = plan.mods_table(list(captures))
     dropout_args = plan.dropout_args(dropout)
     name, launch = _kernel(plan)
-    run_tuned(name, plan.config_key, lambda cfg: launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, dropout_args))
+    run_tuned(name, plan.forward_config_key,
+              lambda cfg: launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, dropout_args))
     return o, lse
 
 
@@ -140,7 +148,7 @@ def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, 
     """Start compiling the forward kernels that ``attention_forward`` on these inputs will launch (none
     where that launch tunes first)."""
     name, launch = _kernel(plan)
-    cfg = planned(name, plan.config_key)
+    cfg = planned(name, plan.forward_config_key)
     if cfg is not None:
         launch(plan, cfg, q, k, v, Standin(q.dtype, q.shape), Standin(torch.float32, q.shape[:3]), key_lengths,
                plan.mods_table(list(captures)), plan.dropout_args(None, ahead=True), ahead=True)

@@ -11,7 +11,7 @@ for the GPU and each streaming its head's whole K and V, once per query head of 
   ``_combine_splits`` merges them (lse = log sum exp lse_s, o = sum exp(lse_s - lse) o_s).
 
 Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N,
-SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS,
+SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS,
 MASK_MOD, SCORE_MOD, DROPOUT), and
   PACK      heads per program; row r of its tile is query r % q_len of head r // q_len of the pack.
   SPLIT     the program stores its share into the partial buffers (splits > 1), else o and lse.
@@ -27,7 +27,8 @@ import triton.language as tl
 
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv, multiprocessors
 from sparseflash.attention.triton.plan import LaunchPlan
-from sparseflash.attention.triton.tiles import DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_seed, row_tile_ranges
+from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_head_parts, load_seed,
+                                                row_tile_ranges, store_head_parts)
 from sparseflash.attention.triton.tuning import KernelConfig
 
 MAX_QUERIES = 16  # query rows up to which a forward takes this kernel: no more than a mask block's (>= 16)
@@ -59,7 +60,7 @@ def _attn_fwd_decode(
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
     SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr, PACK: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -75,9 +76,12 @@ def _attn_fwd_decode(
     offs_m = rows % q_len
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_d2 = 0
+    if HEAD_DIM2 > 0:
+        offs_d2 = HEAD_DIM + tl.arange(0, HEAD_DIM2)
 
-    q_ptrs = Q + b * stride_qb + h[:, None] * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=rows_in[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+    q, q2 = load_head_parts(Q + b * stride_qb + h[:, None] * stride_qh + offs_m[:, None] * stride_qm, stride_qd,
+                            rows_in[:, None], offs_d, offs_d2, head_dim, HEAD_DIM2)
     kv_head = first_head // groups  # every head of a pack reads the same K/V head
     k_base = K + b * stride_kb + kv_head * stride_kh
     v_base = V + b * stride_vb + kv_head * stride_vh
@@ -97,14 +101,14 @@ def _attn_fwd_decode(
         full_lo, full_hi, part_lo, part_hi = _split_share(full_hi, part_lo, part_hi, split, splits)
         O += split * stride_o_split
         LSE += split * stride_lse_split
-    o, lse = forward_row(
-        q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, full_lo, full_hi, full_idx, part_lo, part_hi,
-        part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h[:, None], q_len, kv_len, 0, MODS,
-        load_seed(SEED, DROPOUT), (b * heads + h)[:, None], 0, dropout_threshold, dropout_scale,
+    o, o2, lse = forward_row(
+        q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, full_lo, full_hi, full_idx, part_lo,
+        part_hi, part_idx, offs_m, offs_n, offs_d, offs_d2, kv_bound, head_dim, qk_scale, b, h[:, None], q_len, kv_len,
+        0, MODS, load_seed(SEED, DROPOUT), (b * heads + h)[:, None], 0, dropout_threshold, dropout_scale,
         MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW, DROPOUT,
-        False, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
-    o_ptrs = O + b * stride_ob + h[:, None] * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=rows_in[:, None] & (offs_d[None, :] < head_dim))
+        False, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+    store_head_parts(O + b * stride_ob + h[:, None] * stride_oh + offs_m[:, None] * stride_om, stride_od,
+                     rows_in[:, None], o, o2, offs_d, offs_d2, head_dim, HEAD_DIM2)
     tl.store(LSE + (b * heads + h) * q_len + offs_m, lse, mask=rows_in)
 
 
@@ -198,7 +202,7 @@ def launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mo
         grid, (q, k, v, out, out_lse, key_lengths, *tables, mods, seed),
         (*q.stride(), *k.stride(), *v.stride(), *out.stride()[-4:], *table_strides, plan.heads, plan.groups,
          plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale, n_splits, *split_strides, *dropout_scalars),
-        plan.constexprs(cfg, PACK=heads_per_program, SPLIT=n_splits > 1))
+        plan.constexprs(cfg, PACK=heads_per_program, SPLIT=n_splits > 1, **plan.forward_head_dims))
     if n_splits > 1:
         (COMBINE.compile_ahead if ahead else COMBINE)(
             (plan.q_len, plan.batch * plan.heads), (out, out_lse, o, lse),

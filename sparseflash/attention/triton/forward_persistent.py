@@ -82,7 +82,8 @@ def _fwd_tiles_tma(acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col,
             else:
                 keep = MASK_MOD(b, h, offs_m[:, None], offs_kv[None, :], MODS)
             s = tl.where(keep, s, float("-inf"))
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, 0, MAY_BE_EMPTY, False, DOT_PRECISION, WIDEN_DOTS)
+        acc, _, l_i, m_i = online_softmax_step(acc, 0, l_i, m_i, s, v, 0, 0, MAY_BE_EMPTY, False, 0, DOT_PRECISION,
+                                               WIDEN_DOTS)
     return acc, l_i, m_i
 
 
@@ -145,8 +146,8 @@ def _attn_fwd_persistent(
             MASK_MOD if MASK_EVERY_TILE else None, SCORE_MOD, SCORE_KEYS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N,
             DOT_PRECISION, WIDEN_DOTS)
         # the row term as a vector: a reduction over a 1-wide column fails the warp-specialisation pass
-        o, lse = finish_rows(acc, l_i, m_i, row_term(b, h, q_start + tl.arange(0, BLOCK_M), q_start, kv_len, MODS,
-                                                     SCORE_ROW))
+        o, _, lse = finish_rows(acc, 0, l_i, m_i, row_term(b, h, q_start + tl.arange(0, BLOCK_M), q_start, kv_len,
+                                                           MODS, SCORE_ROW), 0)
         if WALK_TABLES:  # rows of few tiles: o straight from registers, not waiting for a TMA store
             o_offs = (q_start + tl.arange(0, BLOCK_M))[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]
             tl.store(O + (b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh) + o_offs, o.to(O.dtype.element_ty))

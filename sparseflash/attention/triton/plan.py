@@ -10,6 +10,8 @@ an H100 host.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
@@ -50,6 +52,7 @@ class LaunchPlan:
         self.groups = self.heads // self.kv_heads
         self.scale, self.qk_scale = scale, scale * LOG2E
         self.padded_dim = max(16, triton.next_power_of_2(self.head_dim))
+        self.forward_head_dims = forward_head_dims(self.head_dim)
         self.has_key_lengths = has_key_lengths
         self.dropout = dropout  # the kernels drop probabilities (DROPOUT): every call then gives a Dropout
         self.kind, self.causal, self.sparse_block = mask.kind, mask.causal, mask.block_size
@@ -67,6 +70,10 @@ class LaunchPlan:
         mods = "+".join(name for name, on in (("mask", self.mask_mod is not None),
                                               (score, self.score_mod is not None), ("dropout", dropout)) if on)
         self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods)
+        # the regular and decode forwards' key: their kernels differ where the head dim is split
+        first, second = self.forward_head_dims["HEAD_DIM"], self.forward_head_dims["HEAD_DIM2"]
+        self.forward_config_key = (dataclasses.replace(self.config_key, head_dim_parts=f"{first}+{second}")
+                                   if second else self.config_key)
         tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
         self._tables = {side: self._tables_of(tables, side) for side in ("kv", "q")}
         self.has_partial_tiles = mask.kind is MaskKind.SPARSE and bool(mask.partial_layout.any())
@@ -149,11 +156,11 @@ class LaunchPlan:
 
     def constexprs(self, cfg: KernelConfig, **extra) -> dict:
         """The constexprs and launch options of a launch with ``cfg``: its tiles, warps and stages,
-        the flags that forward and backward kernels share, and ``extra`` flags."""
+        the flags that forward and backward kernels share, and ``extra`` flags (which replace those)."""
         key = (cfg, *extra.items())
         if key not in self._constexprs:
-            self._constexprs[key] = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-                                         num_stages=cfg.num_stages, **self._flags_of(cfg), **extra)
+            self._constexprs[key] = {**dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                                            num_stages=cfg.num_stages, **self._flags_of(cfg)), **extra}
         return self._constexprs[key]
 
     def _flags_of(self, cfg: KernelConfig) -> dict:
@@ -167,6 +174,20 @@ class LaunchPlan:
             MASK_MOD=self.mask_mod, SCORE_MOD=self.score_mod, SCORE_KEYS=self.score_keys, SCORE_ROW=self.score_row,
             DROPOUT=self.dropout,
         )
+
+
+def forward_head_dims(head_dim: int) -> dict:
+    """The regular and decode forwards' head-dim constexprs: a head dim that two powers of two >= 16
+    cover with fewer columns than its padding to one (48 = 32 + 16, 80 = 64 + 16, 96 = 64 + 32,
+    160 = 128 + 32, 192 = 128 + 64) is computed as those two parts (HEAD_DIM, HEAD_DIM2), two dots a
+    product, a quarter to three eighths less matmul work; others are padded (HEAD_DIM2 = 0). The
+    backward kernels pad (``HEAD_DIM`` of ``constexprs``)."""
+    padded = max(16, triton.next_power_of_2(head_dim))
+    first = padded // 2
+    second = max(16, triton.next_power_of_2(max(1, head_dim - first)))
+    if first < 16 or first + second >= padded:
+        return dict(HEAD_DIM=padded, HEAD_DIM2=0, D_PADDED=padded != head_dim)
+    return dict(HEAD_DIM=first, HEAD_DIM2=second, D_PADDED=first + second != head_dim)
 
 
 def _strides(x: torch.Tensor, dims: int) -> tuple[int, int, int]:

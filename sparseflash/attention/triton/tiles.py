@@ -8,7 +8,11 @@ Constexpr flags the helpers take (the kernels pass their own through):
   APPLY_KV_BOUND  drop keys at or past kv_bound (ragged tail, key_lengths).
   MAY_BE_EMPTY    a row of a tile's scores may be all -inf (masked tiles).
   BLOCK_M/BLOCK_N kernel tile (queries/keys); each divides SPARSE_BLOCK_M/SPARSE_BLOCK_N, the mask block.
-  D_PADDED        HEAD_DIM (a power of two >= 16) is larger than the real head dim: bound the loads.
+  HEAD_DIM        the head dim padded to a power of two >= 16; or, with HEAD_DIM2, the first of two parts.
+  HEAD_DIM2       0, or the width of a second part of the head dim, columns [HEAD_DIM, HEAD_DIM + HEAD_DIM2)
+                  (a power of two >= 16): the forward kernels compute a head dim that is not a power of
+                  two (96 = 64 + 32) as two parts, two dots a product, instead of padding it.
+  D_PADDED        the real head dim is smaller than the columns computed: bound the loads (the last part's).
   V_TRANSPOSED    load the value tile as (D, BN) (the dQ loop's layout) instead of (BN, D).
   DOT_PRECISION   tl.dot input precision ("tf32" for fp32 inputs on the GPU, "ieee" otherwise).
   WIDEN_DOTS      interpreter only: widen dot operands to fp32 (its bf16 dot is wrong).
@@ -50,6 +54,28 @@ def mma(a, b, acc, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def load_head_parts(row_ptrs, stride_d, rows_in, offs_d, offs_d2, head_dim, HEAD_DIM2: tl.constexpr):
+    """Rows of a (rows, head dim) tensor, ``row_ptrs`` (BM, 1) pointing at their column 0: columns offs_d,
+    and with HEAD_DIM2 the second part's, offs_d2 (else 0); rows outside rows_in (BM, 1) and columns past
+    head_dim read 0."""
+    x = tl.load(row_ptrs + offs_d[None, :] * stride_d, mask=rows_in & (offs_d[None, :] < head_dim), other=0.0)
+    x2 = 0
+    if HEAD_DIM2 > 0:
+        x2 = tl.load(row_ptrs + offs_d2[None, :] * stride_d, mask=rows_in & (offs_d2[None, :] < head_dim), other=0.0)
+    return x, x2
+
+
+@triton.jit
+def store_head_parts(row_ptrs, stride_d, rows_in, x, x2, offs_d, offs_d2, head_dim, HEAD_DIM2: tl.constexpr):
+    """Store what ``load_head_parts`` reads: x at columns offs_d and, with HEAD_DIM2, x2 at offs_d2, in the
+    tensor's dtype, in rows_in and below head_dim."""
+    dtype = row_ptrs.dtype.element_ty
+    tl.store(row_ptrs + offs_d[None, :] * stride_d, x.to(dtype), mask=rows_in & (offs_d[None, :] < head_dim))
+    if HEAD_DIM2 > 0:
+        tl.store(row_ptrs + offs_d2[None, :] * stride_d, x2.to(dtype), mask=rows_in & (offs_d2[None, :] < head_dim))
 
 
 @triton.jit
@@ -179,23 +205,16 @@ def row_term(b, h, q_idx, q_ref, kv_len, MODS, SCORE_ROW: tl.constexpr):
 
 
 @triton.jit
-def key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv, offs_d,
-                    kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref, kv_start, keys, MODS,
-                    APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr, APPLY_MASK_MOD: tl.constexpr,
-                    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_KEYS: tl.constexpr,
-                    D_PADDED: tl.constexpr, V_TRANSPOSED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    WIDEN_DOTS: tl.constexpr):
-    """Load the key tile at offs_kv and score it against q.
-
-    Returns the base-2 scores (BM, BN) with dropped ones at -inf (keys past kv_bound; with
-    APPLY_CAUSAL, keys after the query; with APPLY_MASK_MOD, what MASK_MOD drops), k^T (D, BN), v as
-    (BN, D), or (D, BN) with V_TRANSPOSED, and SCORE_MOD's derivative (``modded_scores``)."""
+def load_key_part(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_kv, offs_d, kv_bound, head_dim,
+                  BOUNDED: tl.constexpr, V_TRANSPOSED: tl.constexpr):
+    """k^T (D, BN) and v (BN, D), or (D, BN) with V_TRANSPOSED, at keys offs_kv and columns offs_d; with
+    BOUNDED, keys past kv_bound and columns past head_dim read 0."""
     k_ptrs = k_base + offs_kv[None, :] * stride_kn + offs_d[:, None] * stride_kd
     if V_TRANSPOSED:
         v_ptrs = v_base + offs_kv[None, :] * stride_vn + offs_d[:, None] * stride_vd
     else:
         v_ptrs = v_base + offs_kv[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    if APPLY_KV_BOUND or D_PADDED:
+    if BOUNDED:
         k_in = (offs_kv[None, :] < kv_bound) & (offs_d[:, None] < head_dim)
         k_t = tl.load(k_ptrs, mask=k_in, other=0.0)
         if V_TRANSPOSED:
@@ -205,9 +224,33 @@ def key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_v
     else:
         k_t = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
+    return k_t, v
+
+
+@triton.jit
+def key_tile_scores(q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv, offs_d,
+                    offs_d2, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref, kv_start, keys, MODS,
+                    APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr, APPLY_MASK_MOD: tl.constexpr,
+                    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_KEYS: tl.constexpr,
+                    HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr, V_TRANSPOSED: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
+    """Load the key tile at offs_kv and score it against q (columns offs_d) and, with HEAD_DIM2, q2
+    (columns offs_d2; q2 and offs_d2 are unused otherwise).
+
+    Returns the base-2 scores (BM, BN) with dropped ones at -inf (keys past kv_bound; with
+    APPLY_CAUSAL, keys after the query; with APPLY_MASK_MOD, what MASK_MOD drops), k^T (D, BN), v as
+    (BN, D), or (D, BN) with V_TRANSPOSED, the second part's v (0 without HEAD_DIM2), and SCORE_MOD's
+    derivative (``modded_scores``)."""
+    k_t, v = load_key_part(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_kv, offs_d, kv_bound,
+                           head_dim, APPLY_KV_BOUND or (D_PADDED and HEAD_DIM2 == 0), V_TRANSPOSED)
+    qk = mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS)
+    v2 = 0
+    if HEAD_DIM2 > 0:
+        k2_t, v2 = load_key_part(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_kv, offs_d2,
+                                 kv_bound, head_dim, APPLY_KV_BOUND or D_PADDED, V_TRANSPOSED)
+        qk = mma(q2, k2_t, qk, DOT_PRECISION, WIDEN_DOTS)
     q_idx, kv_idx = mod_positions(offs_m[:, None], offs_kv[None, :], q_len, kv_len)
-    s, d_score = modded_scores(mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS), b, h, q_idx, kv_idx, q_ref, kv_start,
-                               keys, qk_scale, MODS, SCORE_MOD, SCORE_KEYS)
+    s, d_score = modded_scores(qk, b, h, q_idx, kv_idx, q_ref, kv_start, keys, qk_scale, MODS, SCORE_MOD, SCORE_KEYS)
     if APPLY_CAUSAL or APPLY_KV_BOUND or APPLY_MASK_MOD:
         keep = offs_kv[None, :] < kv_bound
         if APPLY_CAUSAL:
@@ -215,7 +258,7 @@ def key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_v
         if APPLY_MASK_MOD:
             keep = keep & MASK_MOD(b, h, q_idx, kv_idx, MODS)
         s = tl.where(keep, s, float("-inf"))
-    return s, k_t, v, d_score
+    return s, k_t, v, v2, d_score
 
 
 @triton.jit
@@ -337,12 +380,12 @@ def forward_kept(seed, drop_row, row_start, col_start, offs_m, offs_kv, threshol
 
 
 @triton.jit
-def online_softmax_step(acc, l_i, m_i, s, v, kept, MAY_BE_EMPTY: tl.constexpr, DROPOUT: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
+def online_softmax_step(acc, acc2, l_i, m_i, s, v, v2, kept, MAY_BE_EMPTY: tl.constexpr, DROPOUT: tl.constexpr,
+                        HEAD_DIM2: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
     """Fold one key tile, base-2 scores s (BM, BN) and values v (BN, D), into the running output
-    acc (BM, D), sum l and max m; MAY_BE_EMPTY: a row of s may be all -inf (masked tiles). With
-    DROPOUT the sum takes every probability and the output only those ``kept`` (BM, BN) keeps,
-    unscaled."""
+    acc (BM, D), sum l and max m; with HEAD_DIM2 also the second part's values v2 into acc2 (both
+    unused otherwise). MAY_BE_EMPTY: a row of s may be all -inf (masked tiles). With DROPOUT the sum
+    takes every probability and the output only those ``kept`` (BM, BN) keeps, unscaled."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if MAY_BE_EMPTY:
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
@@ -354,32 +397,40 @@ def online_softmax_step(acc, l_i, m_i, s, v, kept, MAY_BE_EMPTY: tl.constexpr, D
     acc = acc * alpha[:, None]
     if DROPOUT:
         p = tl.where(kept, p, 0.0)
-    acc = mma(p.to(v.dtype), v, acc, DOT_PRECISION, WIDEN_DOTS)
-    return acc, l_i, m_new
+    p = p.to(v.dtype)
+    acc = mma(p, v, acc, DOT_PRECISION, WIDEN_DOTS)
+    if HEAD_DIM2 > 0:
+        acc2 = mma(p, v2, acc2 * alpha[:, None], DOT_PRECISION, WIDEN_DOTS)
+    return acc, acc2, l_i, m_new
 
 
 @triton.jit
-def finish_rows(acc, l_i, m_i, row):
-    """The rows' output (fp32, BM x D) and natural-log lse, with ``row`` (``row_term``, base 2) added
-    to it; a row that saw no key, or whose row term is -inf, gets 0 and -inf."""
+def finish_rows(acc, acc2, l_i, m_i, row, HEAD_DIM2: tl.constexpr):
+    """The rows' output (fp32, BM x D), its second part's (from acc2; 0 without HEAD_DIM2) and
+    natural-log lse, with ``row`` (``row_term``, base 2) added to it; a row that saw no key, or whose
+    row term is -inf, gets 0 and -inf."""
     seen = (l_i > 0.0) & (m_i + row > float("-inf"))
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe) + row) * 0.6931471805599453, float("-inf"))  # * ln 2
-    return tl.where(seen[:, None], acc / l_safe[:, None], 0.0), lse
+    o2 = 0
+    if HEAD_DIM2 > 0:
+        o2 = tl.where(seen[:, None], acc2 / l_safe[:, None], 0.0)
+    return tl.where(seen[:, None], acc / l_safe[:, None], 0.0), o2, lse
 
 
 @triton.jit
-def forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-               t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref,
-               MODS, seed, drop_row, row_start, drop_threshold,
+def forward_tiles(acc, acc2, l_i, m_i, q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               t_lo, t_hi, idx_ptr, offs_m, offs_n, offs_d, offs_d2, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
+               q_ref, MODS, seed, drop_row, row_start, drop_threshold,
                FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
                APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
                SCORE_KEYS: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-               SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               WIDEN_DOTS: tl.constexpr):
-    """Online softmax over key tiles t_lo..t_hi-1 of one query tile (the forward kernels' loop). ``offs_m``
-    are the rows' query positions and ``h`` their head, ``drop_row`` their dropout row stream: each a
-    scalar, or a column of one per row (``forward_kept`` says what ALIGNED_ROWS and row_start are)."""
+               SPARSE_BLOCK_N: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
+    """Online softmax over key tiles t_lo..t_hi-1 of one query tile (the forward kernels' loop); with
+    HEAD_DIM2, over the head dim's two parts (q2, offs_d2, acc2). ``offs_m`` are the rows' query
+    positions and ``h`` their head, ``drop_row`` their dropout row stream: each a scalar, or a column
+    of one per row (``forward_kept`` says what ALIGNED_ROWS and row_start are)."""
     # a row of a tile may lose every key to the masks, or to a score function returning -inf
     MAY_BE_EMPTY: tl.constexpr = APPLY_CAUSAL or APPLY_KV_BOUND or APPLY_MASK_MOD or SCORE_MOD is not None
     keys = key_steps(b, h, offs_n[None, :], MODS, SCORE_KEYS)
@@ -387,55 +438,63 @@ def forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride
     for t in range(t_lo, t_hi):
         kv_start = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
         offs_kv = kv_start + offs_n
-        s, _, v, _ = key_tile_scores(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv,
-                                     offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref, kv_start, keys,
-                                     MODS, APPLY_CAUSAL, APPLY_KV_BOUND, APPLY_MASK_MOD, MASK_MOD, SCORE_MOD,
-                                     SCORE_KEYS, D_PADDED, False, DOT_PRECISION, WIDEN_DOTS)
+        s, _, v, v2, _ = key_tile_scores(q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m,
+                                         offs_kv, offs_d, offs_d2, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
+                                         q_ref, kv_start, keys, MODS, APPLY_CAUSAL, APPLY_KV_BOUND, APPLY_MASK_MOD,
+                                         MASK_MOD, SCORE_MOD, SCORE_KEYS, HEAD_DIM2, D_PADDED, False, DOT_PRECISION,
+                                         WIDEN_DOTS)
         kept = forward_kept(seed, drop_row, row_start, kv_start, offs_m, offs_kv, drop_threshold, DROPOUT,
                             ALIGNED_ROWS)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, kept, MAY_BE_EMPTY, DROPOUT, DOT_PRECISION,
-                                            WIDEN_DOTS)
+        acc, acc2, l_i, m_i = online_softmax_step(acc, acc2, l_i, m_i, s, v, v2, kept, MAY_BE_EMPTY, DROPOUT,
+                                                  HEAD_DIM2, DOT_PRECISION, WIDEN_DOTS)
         block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
-    return acc, l_i, m_i
+    return acc, acc2, l_i, m_i
 
 
 @triton.jit
-def forward_row(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, full_lo, full_hi, full_idx,
-                part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
-                q_ref, MODS, seed, drop_row, row_start, drop_threshold, drop_scale,
+def forward_row(q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, full_lo, full_hi, full_idx,
+                part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, offs_d2, kv_bound, head_dim, qk_scale, b, h, q_len,
+                kv_len, q_ref, MODS, seed, drop_row, row_start, drop_threshold, drop_scale,
                 MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
                 EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_KEYS: tl.constexpr,
                 SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED_ROWS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
-                HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                HEAD_DIM: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 WIDEN_DOTS: tl.constexpr):
-    """The rows' output (fp32, BLOCK_M x HEAD_DIM) and lse over their unmasked tiles [full_lo, full_hi),
+    """The rows' output (fp32, BLOCK_M x HEAD_DIM), its second part's (BLOCK_M x HEAD_DIM2, for q2's
+    columns offs_d2; 0 without HEAD_DIM2) and lse over their unmasked tiles [full_lo, full_hi),
     then their masked tiles [part_lo, part_hi) (``row_tile_ranges``' runs, or a share of them); with
     DROPOUT the output of the kept probabilities, scaled by drop_scale. ``q_ref``: a query position
     next to the rows, their reference for a separable score function (``row_term``)."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc2 = 0
+    if HEAD_DIM2 > 0:
+        acc2 = tl.zeros([BLOCK_M, HEAD_DIM2], dtype=tl.float32)
     # SPARSE full blocks may still straddle key_lengths[b]; DENSE/CAUSAL runs stop before it.
     WALK_TABLES: tl.constexpr = MASK_KIND == 2
     FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
     PART_NEEDS_BOUND: tl.constexpr = HAS_KEY_LENGTHS or not EVEN_LENGTHS
-    acc, l_i, m_i = forward_tiles(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        full_lo, full_hi, full_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_ref,
-        MODS, seed, drop_row, row_start, drop_threshold, WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD,
-        SCORE_MOD, SCORE_KEYS, DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+    acc, acc2, l_i, m_i = forward_tiles(
+        acc, acc2, l_i, m_i, q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        full_lo, full_hi, full_idx, offs_m, offs_n, offs_d, offs_d2, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
+        q_ref, MODS, seed, drop_row, row_start, drop_threshold, WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD,
+        SCORE_MOD, SCORE_KEYS, DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N, HEAD_DIM2, D_PADDED, DOT_PRECISION,
+        WIDEN_DOTS)
     if part_hi > part_lo:  # rows without partial blocks skip the masked run's set-up and drain
-        acc, l_i, m_i = forward_tiles(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
-            q_ref, MODS, seed, drop_row, row_start, drop_threshold, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND,
+        acc, acc2, l_i, m_i = forward_tiles(
+            acc, acc2, l_i, m_i, q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            part_lo, part_hi, part_idx, offs_m, offs_n, offs_d, offs_d2, kv_bound, head_dim, qk_scale, b, h, q_len,
+            kv_len, q_ref, MODS, seed, drop_row, row_start, drop_threshold, WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND,
             MASK_MOD is not None, MASK_MOD, SCORE_MOD, SCORE_KEYS, DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N,
-            D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+            HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     row = 0.0
     if SCORE_ROW is not None:  # h may be a column (the decode forward's heads): the term as one, summed to a row
         row = tl.sum(row_term(b, h, tl.minimum(offs_m, q_len - 1)[:, None], q_ref, kv_len, MODS, SCORE_ROW), 1)
-    o, lse = finish_rows(acc, l_i, m_i, row)
+    o, o2, lse = finish_rows(acc, acc2, l_i, m_i, row, HEAD_DIM2)
     if DROPOUT:
         o = o * drop_scale
-    return o, lse
+        if HEAD_DIM2 > 0:
+            o2 = o2 * drop_scale
+    return o, o2, lse

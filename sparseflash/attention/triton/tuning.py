@@ -74,6 +74,8 @@ class ConfigKey:
     persistent: str = ""  # forward_persistent.mode(): "" never, "auto" tuned against the others, "only"
     mods: str = ""  # what else the loop does: "mask", "score", "dropout" joined by "+", or "" (registers,
     # work); "score-special" for a score function using exp, log, tanh or sqrt (Graph.uses_special_functions)
+    head_dim_parts: str = ""  # the forward kernels' two parts of a head dim, e.g. "64+32" (plan.forward_head_dims),
+    # or "" where the kernel computes head_dim padded
 
     @classmethod
     def of(cls, q: torch.Tensor, mask, padded_dim: int, persistent: str = "", mods: str = "") -> "ConfigKey":
@@ -82,6 +84,11 @@ class ConfigKey:
         return cls(padded_dim, str(q.dtype).removeprefix("torch."), mask.kind.name,
                    tuple(mask.block_size), mask.causal, round(math.log2(blocks_per_row)),
                    round(math.log2(tiles)), _device_name(q.device), persistent, mods)
+
+    @property
+    def columns(self) -> int:
+        """The head-dim columns the kernel computes: the parts' sum, or the padded head dim."""
+        return sum(map(int, self.head_dim_parts.split("+"))) if self.head_dim_parts else self.head_dim
 
     def __str__(self) -> str:
         return "|".join(str(v) for v in asdict(self).values()) + f"|triton-{triton.__version__}"
@@ -96,14 +103,19 @@ def _configs(*rows: tuple[int, int, int, int]) -> list[KernelConfig]:
     return [KernelConfig(*row) for row in rows]
 
 
-# Candidates per kernel and padded head dim, best guess first, as (BLOCK_M held, BLOCK_N
-# streamed): forward and dq hold queries and stream keys, dkdv holds keys and streams queries;
-# backward launches both kinds of program at once (padded head dims >= 128, backward.py).
+# Candidates per kernel and head-dim columns (``ConfigKey.columns``; a key takes the list of the
+# smallest width >= its own), best guess first, as (BLOCK_M held, BLOCK_N streamed): forward and dq
+# hold queries and stream keys, dkdv holds keys and streams queries; backward launches both kinds of
+# program at once (padded head dims >= 128, backward.py).
 CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
     "forward": {
         64: _configs((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3)),
+        # 80 (64 + 16) and 96 (64 + 32): 4 warps, 128x64 tiles 10-12 % ahead of hd128's first (H100)
+        96: _configs((128, 64, 4, 3), (64, 64, 4, 2), (128, 64, 4, 2), (128, 128, 8, 3), (64, 64, 4, 4)),
         128: _configs((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 2), (64, 64, 4, 3),
                       (64, 64, 4, 2), (64, 128, 4, 2)),
+        # 160 (128 + 32) and 192 (128 + 64): the parts leave shared memory for 3 stages, 1.3x 2 stages (H100)
+        192: _configs((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)),
         256: _configs((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
     },
     # split-KV forward for <= 16 query rows (forward_decode.py): query tiles as small as a dot takes;
@@ -145,7 +157,7 @@ def candidates(kernel: str, key: ConfigKey) -> list[KernelConfig]:
     if interpreting():
         return [fit(kernel, KernelConfig(INTERPRETER_TILE, INTERPRETER_TILE, 4, 1, persistent == "only"), key)]
     table = CANDIDATES[kernel]
-    head_dim = min((d for d in table if d >= key.head_dim), default=max(table))
+    head_dim = min((d for d in table if d >= key.columns), default=max(table))
     options = {"": table[head_dim], "auto": table[head_dim] + PERSISTENT_FORWARD, "only": PERSISTENT_FORWARD}[persistent]
     return list(dict.fromkeys(fit(kernel, cfg, key) for cfg in options))
 
@@ -244,7 +256,7 @@ TABLE_PATH = Path(__file__).with_name("config_table.json")
 # forward does not apply, e.g. a ragged length, takes the nearest entry whose config is not
 # persistent: ``from_table`` keeps only the key's candidates).
 MISMATCH_COST = {"kind": 4, "mods": 4, "dtype": 3, "sparse_block": 2, "causal": 2, "persistent": 1}
-SAME_REQUIRED = ("head_dim",)
+SAME_REQUIRED = ("head_dim", "head_dim_parts")
 
 
 @functools.lru_cache(maxsize=1)
