@@ -58,7 +58,7 @@ def _check(kind, q_len, kv_len, dim, dtype, gqa, key_lengths, score, device, bat
     assert applies(plan) and pack(plan) == (1 if kind.endswith("per-head") else heads // kv_heads)
     # top-left causal: a few query rows see a few keys, too few to split
     expected = (lambda n: n == 1) if kind == "causal" else (lambda n: n > 1)
-    assert expected(splits(plan, planned("decode", plan.forward_config_key), q.device))
+    assert expected(splits(plan, planned("decode", plan.config_key), q.device))
     got = check_backend("triton", q, k, v, mask, do, lengths, score_mod=score_mod)
     if key_lengths == "empty":  # the batch row with no key: output 0, lse -inf, gradients 0
         assert torch.all(got[0][1] == 0) and torch.all(got[1][1] == float("-inf"))
@@ -75,7 +75,7 @@ CPU_CASES = [
     ("random-per-head", 7, 300, 24, torch.float16, True, "empty", None),
     ("window", 2, 333, 32, torch.bfloat16, True, "cut", "alibi"),
     ("dense", 4, 290, 32, torch.float16, False, "none", "softcap"),
-    # head dims computed as two parts (plan.forward_head_dims): 48 = 32 + 16, 40 padded within 32 + 16
+    # head dims computed as two parts (plan.head_dim_parts): 48 = 32 + 16, 40 padded within 32 + 16
     ("causal", 3, 300, 48, torch.bfloat16, True, "cut", None),
     ("butterfly", 2, 290, 40, torch.float16, False, "none", "alibi"),
 ]

@@ -94,24 +94,22 @@ def test_dropout_matches_reference(case, backend, monkeypatch):
     if case[0] == "decode-dense" and backend == "triton":  # the split forward's shares drop their own scores
         q, k = torch.empty(2, 4, case[1], case[3]), torch.empty(2, 2, case[2], case[3])
         plan = LaunchPlan.of(q, k, resolve_mask(None, case[1], case[2], 4), True, case[3] ** -0.5, None, True)
-        assert forward_decode.splits(plan, planned("decode", plan.forward_config_key), q.device) > 1
+        assert forward_decode.splits(plan, planned("decode", plan.config_key), q.device) > 1
 
 
 @pytest.mark.parametrize("tiles", [(64, 16), (16, 64)], ids=lambda t: f"tiles{t[0]}x{t[1]}")
 @pytest.mark.parametrize("head_dim", [16, 72], ids=["d16-dkdv-and-dq-launches", "d72-fused-backward"])
 def test_kernel_tiles_other_than_the_interpreters(head_dim, tiles):
     """The interpreter's kernels run 32x32 tiles; pinned configs run taller and wider ones (with 16-key
-    tiles, which draw score by score), and head_dim 72 the fused backward (padded to 128) and the forward
-    split into 64 + 16 columns."""
+    tiles, which draw score by score), and head_dim 72 (64 + 16 columns) the fused backward."""
     from sparseflash.attention.triton import tuning
     from sparseflash.attention.triton.plan import LaunchPlan
 
     q, k, v, do = _inputs(1, 4, 2, 80, 112, head_dim, torch.bfloat16)
     mask = sparseflash.masks.make("butterfly", 80, 112, block=64)
-    plan = LaunchPlan.of(q, k, mask, False, head_dim ** -0.5, None, True)
-    tuning.pin("forward", plan.forward_config_key, tuning.KernelConfig(*tiles, 4, 1))
-    for kernel in ("dq", "dkdv", "backward"):
-        tuning.pin(kernel, plan.config_key, tuning.KernelConfig(*tiles, 4, 1))
+    key = LaunchPlan.of(q, k, mask, False, head_dim ** -0.5, None, True).config_key
+    for kernel in ("forward", "dq", "dkdv", "backward"):
+        tuning.pin(kernel, key, tuning.KernelConfig(*tiles, 4, 1))
     try:
         with tuning.recording() as launched:
             check_backend("triton", q, k, v, mask, do, dropout=SeededDropout(0.2, int(torch.randint(0, 2**31, ()))))

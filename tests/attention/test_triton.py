@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparseflash.attention.score_mods import make_score_mod
-from sparseflash.attention.triton.plan import forward_head_dims
+from sparseflash.attention.triton.plan import head_dim_parts
 from sparseflash.masks import make
 from tests.helpers import REL_TOL as TOL
 from tests.helpers import assert_close, attention_with_grads, check_backend
@@ -104,7 +104,7 @@ CPU_CASES = [
     ("dense", 96, 64, 16, torch.float16, False, False),
     ("causal", 96, 96, 16, torch.float16, False, True),
     ("causal", 128, 64, 32, torch.bfloat16, True, False),
-    # head dims the forward computes as two parts (plan.forward_head_dims): exactly (96 = 64 + 32,
+    # head dims the forward computes as two parts (plan.head_dim_parts): exactly (96 = 64 + 32,
     # 48 = 32 + 16), and with the second part padded (72 in 64 + 16), EVEN_LENGTHS and ragged
     ("causal", 111, 111, 96, torch.bfloat16, True, False),
     ("butterfly", 63, 100, 48, torch.float16, False, True),
@@ -129,7 +129,7 @@ def test_forward_head_dim_parts():
     than its padding, one padded part otherwise; D_PADDED exactly where the columns exceed it."""
     powers = (16, 32, 64, 128, 256)
     for dim in range(1, 257):
-        parts = forward_head_dims(dim)
+        parts = head_dim_parts(dim)
         padded = min(p for p in powers if p >= dim)
         first, second = parts["HEAD_DIM"], parts["HEAD_DIM2"]
         assert first in powers and second in (0, *powers), (dim, parts)
@@ -141,8 +141,8 @@ def test_forward_head_dim_parts():
 @pytest.mark.parametrize("dim, parts", [(96, (64, 32)), (72, (64, 16)), (128, (128, 0))], ids=["d96", "d72", "d128"])
 @pytest.mark.parametrize("q_len", [40, 3], ids=["forward", "decode"])
 def test_the_forward_launches_with_the_head_dim_parts(dim, parts, q_len, monkeypatch):
-    """The regular and decode forwards run the split variant where forward_head_dims splits (the
-    comparisons above would pass padded too); the backward pads."""
+    """The regular and decode forwards and the backward run the split variant where head_dim_parts
+    splits (the comparisons above would pass padded too); the kernels around them pad."""
     from sparseflash.attention.triton.launch import Launcher
 
     launched = {}
@@ -156,7 +156,8 @@ def test_the_forward_launches_with_the_head_dim_parts(dim, parts, q_len, monkeyp
     q, k, v, do = _inputs(1, 2, 1, q_len, 50, dim, torch.bfloat16, "cpu")
     check_backend("triton", q, k, v, make("causal", q_len, 50, block=16), do)
     assert launched.pop("_attn_fwd" if q_len > 16 else "_attn_fwd_decode") == parts
-    assert "_attn_bwd" in launched and all(dims in ((128, None), (None, None)) for dims in launched.values()), launched
+    assert launched.pop("_attn_bwd") == parts
+    assert all(dims in ((128, None), (None, None)) for dims in launched.values()), launched
 
 
 @pytest.mark.gpu
@@ -320,20 +321,19 @@ def test_gpu_padded_head_dims(pattern, dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel, dim", [("forward", 96), ("forward", 160), ("forward", 200), ("backward", 200)],
-                         ids=lambda x: str(x))
+@pytest.mark.parametrize("kernel, dim", [("forward", 96), ("forward", 160), ("forward", 200), ("backward", 96),
+                                         ("backward", 160), ("backward", 200)], ids=lambda x: str(x))
 @pytest.mark.parametrize("pattern", ["dense", "causal"])
 def test_gpu_every_candidate_of_the_wide_head_dims(pattern, kernel, dim):
     """Each candidate config of ``kernel`` (a tuner may pick any of them), pinned in turn, against the
-    reference: the forward's lists of 96 columns (64 + 32), 192 (160 as 128 + 32) and 256 (200, padded),
-    the backward's of 256; GQA, a ragged length."""
+    reference: the lists of 96 columns (64 + 32), 192 (160 as 128 + 32) and 256 (200, padded); GQA, a
+    ragged length."""
     from sparseflash.attention.triton import tuning
     from sparseflash.attention.triton.plan import LaunchPlan
 
     q, k, v, do = _inputs(2, 4, 2, 1000, 1000, dim, torch.bfloat16, "cuda")
     mask = make(pattern, 1000, block=128)
-    plan = LaunchPlan.of(q, k, mask, False, dim ** -0.5)
-    key = plan.forward_config_key if kernel == "forward" else plan.config_key
+    key = LaunchPlan.of(q, k, mask, False, dim ** -0.5).config_key
     for cfg in tuning.candidates(kernel, key):
         tuning.pin(kernel, key, cfg)
         try:

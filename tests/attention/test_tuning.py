@@ -7,6 +7,7 @@ The interpreter never tunes, so these tests switch it off in ``tuning`` and repl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -152,20 +153,24 @@ def test_a_table_entry_that_is_no_candidate_is_passed_over(tunings, monkeypatch)
 
 
 def test_a_split_head_dim_takes_its_own_candidates_and_no_padded_entry(tunings, monkeypatch):
-    """The forward of head_dim 96 (64 + 32 columns) takes the 96-column list and passes over the table's
-    head_dim-128 entries, tuned for another kernel; its backward (padded to 128) takes them."""
+    """Head_dim 96 (64 + 32 columns) takes the candidate lists of 96 columns and passes over the table's
+    head_dim-128 entries, tuned for other kernels."""
     monkeypatch.delenv("SPARSEFLASH_TUNE")
     from sparseflash.attention.triton.plan import LaunchPlan
 
     q = torch.empty(1, 4, 1024, 96)
-    plan = LaunchPlan.of(q, q, make("causal", 1024, block=128), False, 96 ** -0.5)
-    forward_key, padded_key = plan.forward_config_key, plan.config_key
-    assert forward_key.head_dim_parts == "64+32" and forward_key.columns == 96 and padded_key.columns == 128
-    assert tuning.candidates("forward", forward_key) == tuning.CANDIDATES["forward"][96]
-    entry = tuning.CANDIDATES["forward"][96][1]
-    monkeypatch.setattr(tuning, "_table", _table_of(("forward", padded_key, entry), ("backward", padded_key, entry)))
-    assert tuning.run_tuned("forward", forward_key, lambda cfg: None) == tuning.CANDIDATES["forward"][96][0]
-    assert tuning.run_tuned("backward", padded_key, lambda cfg: None) == entry
+    key = LaunchPlan.of(q, q, make("causal", 1024, block=128), False, 96 ** -0.5).config_key
+    assert key.head_dim_parts == "64+32" and key.columns == 96 and key.head_dim == 128
+    assert tuning.candidates("forward", key) == tuning.CANDIDATES["forward"][96]
+    assert tuning.candidates("backward", key) == tuning.CANDIDATES["backward"][96]
+    padded = dataclasses.replace(key, head_dim_parts="")
+    forward_entry, backward_entry = tuning.KernelConfig(128, 64, 4, 2), tuning.KernelConfig(128, 64, 8, 2)
+    assert forward_entry in tuning.CANDIDATES["forward"][96] and backward_entry in tuning.CANDIDATES["backward"][96]
+    monkeypatch.setattr(tuning, "_table", _table_of(("forward", padded, forward_entry),
+                                                    ("backward", padded, backward_entry)))
+    assert tuning.run_tuned("forward", key, lambda cfg: None) == tuning.CANDIDATES["forward"][96][0]
+    assert tuning.run_tuned("backward", key, lambda cfg: None) == tuning.CANDIDATES["backward"][96][0]
+    assert tuning.run_tuned("backward", padded, lambda cfg: None) == backward_entry
 
 
 def test_the_shipped_table_reads_and_its_configs_are_candidates(monkeypatch):

@@ -1,7 +1,7 @@
 """FlashAttention-2 backward: a preprocess kernel, then one kernel for dK/dV and dQ (no atomics).
 
 Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, SPARSE_BLOCK_M,
-SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS), and
+SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS), and
   BLOCK_M   the tile a program holds: BLOCK_M queries of a dQ program, BLOCK_M keys of a dK/dV one;
   BLOCK_N   the tile it streams: keys for dQ, queries for dK/dV (in one launch, each tile divides
             both sides of the mask blocks);
@@ -40,8 +40,9 @@ import triton.language as tl
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, dropout_kept_tile, key_steps, key_tile_scores,
-                                               listed_block, load_seed, mma, mod_positions, modded_scores, row_term,
-                                               row_tile_ranges, tile_start)
+                                               listed_block, load_head_parts, load_part, load_seed, mma, mod_positions,
+                                               modded_scores, row_term, row_tile_ranges, second_part_columns,
+                                               store_head_parts, store_part, tile_start)
 from sparseflash.attention.triton.tuning import KernelConfig, planned, run_tuned
 
 
@@ -106,16 +107,17 @@ def _col_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, start_n, n_q_
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
+def _dkdv_tiles(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, LSE2, DELTA, row_off,
                 stride_qm, stride_qd, stride_dom, stride_dod, t_lo, t_hi, idx_ptr,
-                start_n, offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
+                start_n, offs_n, offs_d, offs_d2, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
                 seed, drop_row, drop_threshold, drop_scale,
                 FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_ROW_BOUND: tl.constexpr,
                 APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
                 SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr, DROPOUT: tl.constexpr,
-                BLOCK_M: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, D_PADDED: tl.constexpr,
+                BLOCK_M: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
-    """Accumulate dK, dV of one key tile over query tiles t_lo..t_hi-1 (transposed scores).
+    """Accumulate dK, dV of one key tile over query tiles t_lo..t_hi-1 (transposed scores); with
+    HEAD_DIM2 also the second part's dK2, dV2 of k2, v2 (columns offs_d2; all unused otherwise).
     APPLY_ROW_BOUND: the tiles may hold rows past q_len (loaded as zeros, lse +inf). Keys past
     kv_bound are not masked here (their gradients are zeroed at the store), except for the gradients
     of the score function's captured tensors. With DROPOUT, dV is left unscaled (the caller scales it).
@@ -128,7 +130,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
         offs_m = q_start + offs_m0
         q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
         do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
-        if APPLY_ROW_BOUND or D_PADDED:
+        if APPLY_ROW_BOUND or (D_PADDED and HEAD_DIM2 == 0):
             rows_in = (offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim)
             q = tl.load(q_ptrs, mask=rows_in, other=0.0)
             do = tl.load(do_ptrs, mask=rows_in, other=0.0)
@@ -139,6 +141,13 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
         if SCORE_ROW is not None:  # the scores are taken at reference query q_start (codegen.py)
             lse -= row_term(b, h, tl.minimum(offs_m, q_len - 1), q_start, kv_len, MODS, SCORE_ROW)
         qk_t = mma(k, tl.trans(q), None, DOT_PRECISION, WIDEN_DOTS)  # (BN, BM)
+        if HEAD_DIM2 > 0:
+            rows_in = offs_m[:, None] < q_len
+            q2 = load_part(q_base + offs_m[:, None] * stride_qm, stride_qd, rows_in, offs_d2, head_dim,
+                           APPLY_ROW_BOUND or D_PADDED)
+            do2 = load_part(do_base + offs_m[:, None] * stride_dom, stride_dod, rows_in, offs_d2, head_dim,
+                            APPLY_ROW_BOUND or D_PADDED)
+            qk_t = mma(k2, tl.trans(q2), qk_t, DOT_PRECISION, WIDEN_DOTS)
         q_idx, kv_idx = mod_positions(offs_m[None, :], offs_n[:, None], q_len, kv_len)
         s_t, d_score = modded_scores(qk_t, b, h, q_idx, kv_idx, q_start, start_n, keys, qk_scale, MODS, SCORE_MOD,
                                      SCORE_KEYS)
@@ -154,20 +163,26 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
         if DROPOUT:
             kept_t = dropout_kept_tile(seed, drop_row, start_n, q_start, drop_threshold, offs_n.shape[0], BLOCK_M,
                                        False)
-            dv = mma(tl.where(kept_t, p_t, 0.0).to(do.dtype), do, dv, DOT_PRECISION, WIDEN_DOTS)
+            p_kept = tl.where(kept_t, p_t, 0.0).to(do.dtype)
         else:
-            dv = mma(p_t.to(do.dtype), do, dv, DOT_PRECISION, WIDEN_DOTS)
+            p_kept = p_t.to(do.dtype)
+        dv = mma(p_kept, do, dv, DOT_PRECISION, WIDEN_DOTS)
         dp_t = mma(v, tl.trans(do), None, DOT_PRECISION, WIDEN_DOTS)
+        if HEAD_DIM2 > 0:
+            dv2 = mma(p_kept, do2, dv2, DOT_PRECISION, WIDEN_DOTS)
+            dp_t = mma(v2, tl.trans(do2), dp_t, DOT_PRECISION, WIDEN_DOTS)
         if DROPOUT:
             dp_t = tl.where(kept_t, dp_t * drop_scale, 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         if SCORE_MOD_GRADS is not None:  # keys past kv_bound must add nothing to the captured tensors
             SCORE_MOD_GRADS(tl.where(offs_n[:, None] < kv_bound, ds_t, 0.0), qk_t * (qk_scale * 0.6931471805599453),
                             b, h, q_idx, kv_idx, MODS)
-        ds_t = ds_t * d_score
-        dk = mma(ds_t.to(q.dtype), q, dk, DOT_PRECISION, WIDEN_DOTS)
+        ds_t = (ds_t * d_score).to(q.dtype)
+        dk = mma(ds_t, q, dk, DOT_PRECISION, WIDEN_DOTS)
+        if HEAD_DIM2 > 0:
+            dk2 = mma(ds_t, q2, dk2, DOT_PRECISION, WIDEN_DOTS)
         block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M)
-    return dk, dv
+    return dk, dk2, dv, dv2
 
 
 @triton.jit
@@ -184,9 +199,9 @@ def _dkdv_program(
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_KEYS: tl.constexpr,
-    SCORE_ROW: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """dK, dV of key tile ``key_tile`` (BLOCK_N keys) of key/value head hk, batch b."""
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
@@ -194,6 +209,8 @@ def _dkdv_program(
     start_n = key_tile * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    # the first part with one mask for K, V, dK and dV, not the part helpers: their masks of their own
+    # moved this program's register allocation, where power-of-two head dims keep their SASS this way
     kv_in = (offs_n[:, None] < kv_len) & (offs_d[None, :] < head_dim)
     k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=kv_in, other=0.0)
@@ -201,6 +218,17 @@ def _dkdv_program(
                 mask=kv_in, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    # without a second part: placeholders, empty so that the group loop below carries nothing for them
+    offs_d2 = second_part_columns(HEAD_DIM, HEAD_DIM2)
+    k2, v2, dk2, dv2 = (), (), (), ()
+    keys_in = offs_n[:, None] < kv_len
+    if HEAD_DIM2 > 0:
+        k2 = load_part(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn, stride_kd, keys_in, offs_d2,
+                       head_dim, True)
+        v2 = load_part(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn, stride_vd, keys_in, offs_d2,
+                       head_dim, True)
+        dk2 = tl.zeros([BLOCK_N, HEAD_DIM2], dtype=tl.float32)
+        dv2 = tl.zeros([BLOCK_N, HEAD_DIM2], dtype=tl.float32)
     WALK_TABLES: tl.constexpr = MASK_KIND == 2
     # Rows past q_len: only in a ragged last query tile (SPARSE: in its partial blocks alone).
     FULL_ROWS_BOUNDED: tl.constexpr = not WALK_TABLES and not EVEN_LENGTHS
@@ -221,61 +249,76 @@ def _dkdv_program(
             full_hi = tl.where(start_n < kv_bound, full_hi, full_lo)
             part_hi = tl.where(start_n < kv_bound, part_hi, part_lo)
         drop_row = b * heads + h
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
-                             stride_qm, stride_qd, stride_dom, stride_dod, full_lo, full_hi, full_idx,
-                             start_n, offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
-                             seed, drop_row, dropout_threshold, dropout_scale,
-                             WALK_TABLES, False, FULL_ROWS_BOUNDED, False, MASK_MOD, SCORE_MOD, SCORE_KEYS,
-                             SCORE_ROW, SCORE_MOD_GRADS, DROPOUT, BLOCK_M, SPARSE_BLOCK_M, D_PADDED, DOT_PRECISION,
-                             WIDEN_DOTS)
+        dk, dk2, dv, dv2 = _dkdv_tiles(
+            dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, LSE2, DELTA, row_off,
+            stride_qm, stride_qd, stride_dom, stride_dod, full_lo, full_hi, full_idx,
+            start_n, offs_n, offs_d, offs_d2, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
+            seed, drop_row, dropout_threshold, dropout_scale,
+            WALK_TABLES, False, FULL_ROWS_BOUNDED, False, MASK_MOD, SCORE_MOD, SCORE_KEYS,
+            SCORE_ROW, SCORE_MOD_GRADS, DROPOUT, BLOCK_M, SPARSE_BLOCK_M, HEAD_DIM2, D_PADDED, DOT_PRECISION,
+            WIDEN_DOTS)
         if part_hi > part_lo:
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE2, DELTA, row_off,
-                                 stride_qm, stride_qd, stride_dom, stride_dod, part_lo, part_hi, part_idx,
-                                 start_n, offs_n, offs_d, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
-                                 seed, drop_row, dropout_threshold, dropout_scale,
-                                 WALK_TABLES, IS_CAUSAL, not EVEN_LENGTHS, MASK_MOD is not None, MASK_MOD,
-                                 SCORE_MOD, SCORE_KEYS, SCORE_ROW, SCORE_MOD_GRADS, DROPOUT, BLOCK_M, SPARSE_BLOCK_M,
-                                 D_PADDED,
-                                 DOT_PRECISION, WIDEN_DOTS)
+            dk, dk2, dv, dv2 = _dkdv_tiles(
+                dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, LSE2, DELTA, row_off,
+                stride_qm, stride_qd, stride_dom, stride_dod, part_lo, part_hi, part_idx,
+                start_n, offs_n, offs_d, offs_d2, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
+                seed, drop_row, dropout_threshold, dropout_scale,
+                WALK_TABLES, IS_CAUSAL, not EVEN_LENGTHS, MASK_MOD is not None, MASK_MOD,
+                SCORE_MOD, SCORE_KEYS, SCORE_ROW, SCORE_MOD_GRADS, DROPOUT, BLOCK_M, SPARSE_BLOCK_M, HEAD_DIM2,
+                D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     visible = offs_n[:, None] < kv_bound  # masked keys get exactly zero gradient
     dk = tl.where(visible, dk * scale, 0.0)
     if DROPOUT:
         dv = dv * dropout_scale
     dv = tl.where(visible, dv, 0.0)
+    if HEAD_DIM2 > 0:
+        dk2 = tl.where(visible, dk2 * scale, 0.0)
+        if DROPOUT:
+            dv2 = dv2 * dropout_scale
+        dv2 = tl.where(visible, dv2, 0.0)
     out = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=kv_in)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_in)
+    if HEAD_DIM2 > 0:
+        out_rows = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn
+        store_part(DK + out_rows, stride_dkd, keys_in, dk2, offs_d2, head_dim)
+        store_part(DV + out_rows, stride_dkd, keys_in, dv2, offs_d2, head_dim)
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-              t_lo, t_hi, idx_ptr, q_start, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
-              MODS, seed, drop_row, drop_threshold, drop_scale,
+def _dq_tiles(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+              t_lo, t_hi, idx_ptr, q_start, offs_m, offs_n, offs_d, offs_d2, kv_bound, head_dim, qk_scale, b, h, q_len,
+              kv_len, MODS, seed, drop_row, drop_threshold, drop_scale,
               FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr, APPLY_KV_BOUND: tl.constexpr,
               APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
               SCORE_KEYS: tl.constexpr, DROPOUT: tl.constexpr,
-              BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, D_PADDED: tl.constexpr,
+              BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
-    """Accumulate dQ of one query tile over key tiles t_lo..t_hi-1."""
+    """Accumulate dQ of one query tile over key tiles t_lo..t_hi-1; with HEAD_DIM2 also the second
+    part's dQ2 of q2, do2 (columns offs_d2; all unused otherwise)."""
     keys = key_steps(b, h, offs_n[None, :], MODS, SCORE_KEYS)
     block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
     for t in range(t_lo, t_hi):
         kv_start = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
         offs_kv = kv_start + offs_n
-        s, k_t, v_t, _, d_score = key_tile_scores(q, 0, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                                                  offs_m, offs_kv, offs_d, 0, kv_bound, head_dim, qk_scale, b, h, q_len,
-                                                  kv_len, q_start, kv_start, keys, MODS, APPLY_CAUSAL, APPLY_KV_BOUND,
-                                                  APPLY_MASK_MOD, MASK_MOD, SCORE_MOD, SCORE_KEYS, 0, D_PADDED, True,
-                                                  DOT_PRECISION, WIDEN_DOTS)
+        s, k_t, v_t, k2_t, v2_t, d_score = key_tile_scores(
+            q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, offs_kv, offs_d, offs_d2,
+            kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, q_start, kv_start, keys, MODS, APPLY_CAUSAL,
+            APPLY_KV_BOUND, APPLY_MASK_MOD, MASK_MOD, SCORE_MOD, SCORE_KEYS, HEAD_DIM2, D_PADDED, True, DOT_PRECISION,
+            WIDEN_DOTS)
         p = tl.math.exp2(s - lse[:, None])
         dp = mma(do, v_t, None, DOT_PRECISION, WIDEN_DOTS)
+        if HEAD_DIM2 > 0:
+            dp = mma(do2, v2_t, dp, DOT_PRECISION, WIDEN_DOTS)
         if DROPOUT:
             kept = dropout_kept_tile(seed, drop_row, q_start, kv_start, drop_threshold, offs_m.shape[0], BLOCK_N, True)
             dp = tl.where(kept, dp * drop_scale, 0.0)
-        ds = p * (dp - delta[:, None]) * d_score
-        dq = mma(ds.to(k_t.dtype), tl.trans(k_t), dq, DOT_PRECISION, WIDEN_DOTS)
+        ds = (p * (dp - delta[:, None]) * d_score).to(k_t.dtype)
+        dq = mma(ds, tl.trans(k_t), dq, DOT_PRECISION, WIDEN_DOTS)
+        if HEAD_DIM2 > 0:
+            dq2 = mma(ds, tl.trans(k2_t), dq2, DOT_PRECISION, WIDEN_DOTS)
         block = listed_block(idx_ptr, t + 1, t_hi, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
-    return dq
+    return dq, dq2
 
 
 @triton.jit
@@ -292,9 +335,9 @@ def _dq_program(
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr,
-    EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_KEYS: tl.constexpr,
-    SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """dQ of query tile ``query_tile`` (BLOCK_M queries) of query head h, batch b."""
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
@@ -304,11 +347,12 @@ def _dq_program(
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    rows_in = (offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=rows_in, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=rows_in, other=0.0)
+    offs_d2 = second_part_columns(HEAD_DIM, HEAD_DIM2)
+    rows_in = offs_m[:, None] < q_len
+    q, q2 = load_head_parts(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm, stride_qd, rows_in,
+                            offs_d, offs_d2, head_dim, HEAD_DIM2)
+    do, do2 = load_head_parts(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom, stride_dod,
+                              rows_in, offs_d, offs_d2, head_dim, HEAD_DIM2)
     lse, delta = _load_row_stats(LSE2, DELTA, bh * stats_stride, offs_m, q_len, True)
     if SCORE_ROW is not None:  # the scores are taken at reference query q_start (codegen.py)
         lse -= row_term(b, h, tl.minimum(offs_m, q_len - 1), q_start, kv_len, MODS, SCORE_ROW)
@@ -318,6 +362,9 @@ def _dq_program(
     if HAS_KEY_LENGTHS:
         kv_bound = tl.minimum(kv_bound, tl.load(KEY_LENGTHS + b).to(tl.int32))
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq2 = 0
+    if HEAD_DIM2 > 0:
+        dq2 = tl.zeros([BLOCK_M, HEAD_DIM2], dtype=tl.float32)
     WALK_TABLES: tl.constexpr = MASK_KIND == 2
     FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
     PART_NEEDS_BOUND: tl.constexpr = HAS_KEY_LENGTHS or not EVEN_LENGTHS
@@ -325,20 +372,22 @@ def _dq_program(
         FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, q_start, kv_bound,
         stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
         MASK_KIND, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   0, full_hi, full_idx, q_start, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b, h, q_len,
-                   kv_len, MODS, seed, bh, dropout_threshold, dropout_scale, WALK_TABLES, False, FULL_NEEDS_BOUND,
-                   False, MASK_MOD, SCORE_MOD, SCORE_KEYS, DROPOUT, BLOCK_N, SPARSE_BLOCK_N, D_PADDED, DOT_PRECISION,
-                   WIDEN_DOTS)
+    dq, dq2 = _dq_tiles(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                        stride_vd, 0, full_hi, full_idx, q_start, offs_m, offs_n, offs_d, offs_d2, kv_bound, head_dim,
+                        qk_scale, b, h, q_len, kv_len, MODS, seed, bh, dropout_threshold, dropout_scale, WALK_TABLES,
+                        False, FULL_NEEDS_BOUND, False, MASK_MOD, SCORE_MOD, SCORE_KEYS, DROPOUT, BLOCK_N,
+                        SPARSE_BLOCK_N, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     if part_hi > part_lo:
-        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       part_lo, part_hi, part_idx, q_start, offs_m, offs_n, offs_d, kv_bound, head_dim, qk_scale, b,
-                       h, q_len, kv_len, MODS, seed, bh, dropout_threshold, dropout_scale, WALK_TABLES, IS_CAUSAL,
-                       PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD, SCORE_MOD, SCORE_KEYS, DROPOUT, BLOCK_N,
-                       SPARSE_BLOCK_N,
-                       D_PADDED, DOT_PRECISION, WIDEN_DOTS)
-    out = b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
-    tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=rows_in)
+        dq, dq2 = _dq_tiles(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                            stride_vd, part_lo, part_hi, part_idx, q_start, offs_m, offs_n, offs_d, offs_d2, kv_bound,
+                            head_dim, qk_scale, b, h, q_len, kv_len, MODS, seed, bh, dropout_threshold, dropout_scale,
+                            WALK_TABLES, IS_CAUSAL, PART_NEEDS_BOUND, MASK_MOD is not None, MASK_MOD, SCORE_MOD,
+                            SCORE_KEYS, DROPOUT, BLOCK_N, SPARSE_BLOCK_N, HEAD_DIM2, D_PADDED, DOT_PRECISION,
+                            WIDEN_DOTS)
+    if HEAD_DIM2 > 0:
+        dq2 = dq2 * scale
+    store_head_parts(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm, stride_dqd, rows_in,
+                     dq * scale, dq2, offs_d, offs_d2, head_dim, HEAD_DIM2)
 
 
 @triton.jit(do_not_specialize=["q_len", "kv_len", "stride_col_num_b", "stride_col_num_h", "stride_col_num_n",
@@ -361,7 +410,7 @@ def _attn_bwd(
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
     SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr,
     PROGRAMS: tl.constexpr,
@@ -388,8 +437,8 @@ def _attn_bwd(
             tile, b, hk, heads, groups, q_len, kv_len, head_dim, qk_scale, scale, stats_stride,
             seed, dropout_threshold, dropout_scale,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_N, BLOCK_M, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-            SCORE_MOD_GRADS, DROPOUT)
+            HEAD_DIM, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_KEYS,
+            SCORE_ROW, SCORE_MOD_GRADS, DROPOUT)
     else:
         if PROGRAMS == 0:
             tile -= n_key_tiles
@@ -406,8 +455,8 @@ def _attn_bwd(
             query_tile, b, hk * groups + tile // n_q_tiles, heads, groups, q_len, kv_len, head_dim,
             qk_scale, scale, stats_stride, seed, dropout_threshold, dropout_scale,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-            HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-            DROPOUT)
+            HEAD_DIM, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_KEYS,
+            SCORE_ROW, DROPOUT)
 
 
 # ---------------------------------------------------------------------------------- launcher
@@ -456,7 +505,8 @@ def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk,
                 if grad is not None:
                     grad.zero_()
         (BACKWARD.compile_ahead if ahead else BACKWARD)(
-            grid, tensors, scalars, plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=plan.score_mod_grads))
+            grid, tensors, scalars,
+            plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=plan.score_mod_grads, **plan.head_dim_parts))
     return launch
 
 

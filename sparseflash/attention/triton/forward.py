@@ -42,7 +42,7 @@ from sparseflash.attention.triton import forward_decode, forward_persistent
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_head_parts, load_seed,
-                                                row_tile_ranges, store_head_parts)
+                                                row_tile_ranges, second_part_columns, store_head_parts)
 from sparseflash.attention.triton.tuning import KernelConfig, planned, run_tuned
 
 
@@ -73,9 +73,7 @@ def _attn_fwd(
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_d2 = 0
-    if HEAD_DIM2 > 0:
-        offs_d2 = HEAD_DIM + tl.arange(0, HEAD_DIM2)
+    offs_d2 = second_part_columns(HEAD_DIM, HEAD_DIM2)
     rows_in = offs_m[:, None] < q_len
 
     q, q2 = load_head_parts(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm, stride_qd, rows_in,
@@ -121,7 +119,7 @@ def _launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, m
         (cdiv(plan.q_len, cfg.block_m), plan.batch * plan.heads), (q, k, v, o, lse, key_lengths, *tables, mods, seed),
         (*q.stride(), *k.stride(), *v.stride(), *o.stride(), *table_strides, plan.heads, plan.groups,
          plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale, *dropout_scalars),
-        plan.constexprs(cfg, **plan.forward_head_dims))
+        plan.constexprs(cfg, **plan.head_dim_parts))
     return cfg
 
 
@@ -139,7 +137,7 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
     mods = plan.mods_table(list(captures))
     dropout_args = plan.dropout_args(dropout)
     name, launch = _kernel(plan)
-    run_tuned(name, plan.forward_config_key,
+    run_tuned(name, plan.config_key,
               lambda cfg: launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, dropout_args))
     return o, lse
 
@@ -148,7 +146,7 @@ def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, 
     """Start compiling the forward kernels that ``attention_forward`` on these inputs will launch (none
     where that launch tunes first)."""
     name, launch = _kernel(plan)
-    cfg = planned(name, plan.forward_config_key)
+    cfg = planned(name, plan.config_key)
     if cfg is not None:
         launch(plan, cfg, q, k, v, Standin(q.dtype, q.shape), Standin(torch.float32, q.shape[:3]), key_lengths,
                plan.mods_table(list(captures)), plan.dropout_args(None, ahead=True), ahead=True)

@@ -28,7 +28,7 @@ import triton.language as tl
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv, multiprocessors
 from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_head_parts, load_seed,
-                                                row_tile_ranges, store_head_parts)
+                                                row_tile_ranges, second_part_columns, store_head_parts)
 from sparseflash.attention.triton.tuning import KernelConfig
 
 MAX_QUERIES = 16  # query rows up to which a forward takes this kernel: no more than a mask block's (>= 16)
@@ -76,9 +76,7 @@ def _attn_fwd_decode(
     offs_m = rows % q_len
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_d2 = 0
-    if HEAD_DIM2 > 0:
-        offs_d2 = HEAD_DIM + tl.arange(0, HEAD_DIM2)
+    offs_d2 = second_part_columns(HEAD_DIM, HEAD_DIM2)
 
     q, q2 = load_head_parts(Q + b * stride_qb + h[:, None] * stride_qh + offs_m[:, None] * stride_qm, stride_qd,
                             rows_in[:, None], offs_d, offs_d2, head_dim, HEAD_DIM2)
@@ -202,7 +200,7 @@ def launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mo
         grid, (q, k, v, out, out_lse, key_lengths, *tables, mods, seed),
         (*q.stride(), *k.stride(), *v.stride(), *out.stride()[-4:], *table_strides, plan.heads, plan.groups,
          plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale, n_splits, *split_strides, *dropout_scalars),
-        plan.constexprs(cfg, PACK=heads_per_program, SPLIT=n_splits > 1, **plan.forward_head_dims))
+        plan.constexprs(cfg, PACK=heads_per_program, SPLIT=n_splits > 1, **plan.head_dim_parts))
     if n_splits > 1:
         (COMBINE.compile_ahead if ahead else COMBINE)(
             (plan.q_len, plan.batch * plan.heads), (out, out_lse, o, lse),

@@ -10,8 +10,6 @@ an H100 host.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 
@@ -52,7 +50,7 @@ class LaunchPlan:
         self.groups = self.heads // self.kv_heads
         self.scale, self.qk_scale = scale, scale * LOG2E
         self.padded_dim = max(16, triton.next_power_of_2(self.head_dim))
-        self.forward_head_dims = forward_head_dims(self.head_dim)
+        self.head_dim_parts = head_dim_parts(self.head_dim)
         self.has_key_lengths = has_key_lengths
         self.dropout = dropout  # the kernels drop probabilities (DROPOUT): every call then gives a Dropout
         self.kind, self.causal, self.sparse_block = mask.kind, mask.causal, mask.block_size
@@ -69,11 +67,8 @@ class LaunchPlan:
         score = "score-special" if score_graph is not None and score_graph.uses_special_functions else "score"
         mods = "+".join(name for name, on in (("mask", self.mask_mod is not None),
                                               (score, self.score_mod is not None), ("dropout", dropout)) if on)
-        self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods)
-        # the regular and decode forwards' key: their kernels differ where the head dim is split
-        first, second = self.forward_head_dims["HEAD_DIM"], self.forward_head_dims["HEAD_DIM2"]
-        self.forward_config_key = (dataclasses.replace(self.config_key, head_dim_parts=f"{first}+{second}")
-                                   if second else self.config_key)
+        first, second = self.head_dim_parts["HEAD_DIM"], self.head_dim_parts["HEAD_DIM2"]
+        self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods, f"{first}+{second}" if second else "")
         tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
         self._tables = {side: self._tables_of(tables, side) for side in ("kv", "q")}
         self.has_partial_tiles = mask.kind is MaskKind.SPARSE and bool(mask.partial_layout.any())
@@ -176,12 +171,13 @@ class LaunchPlan:
         )
 
 
-def forward_head_dims(head_dim: int) -> dict:
-    """The regular and decode forwards' head-dim constexprs: a head dim that two powers of two >= 16
-    cover with fewer columns than its padding to one (48 = 32 + 16, 80 = 64 + 16, 96 = 64 + 32,
-    160 = 128 + 32, 192 = 128 + 64) is computed as those two parts (HEAD_DIM, HEAD_DIM2), two dots a
-    product, a quarter to three eighths less matmul work; others are padded (HEAD_DIM2 = 0). The
-    backward kernels pad (``HEAD_DIM`` of ``constexprs``)."""
+def head_dim_parts(head_dim: int) -> dict:
+    """The head-dim constexprs of the regular, decode and backward kernels: a head dim that two powers
+    of two >= 16 cover with fewer columns than its padding to one (48 = 32 + 16, 80 = 64 + 16,
+    96 = 64 + 32, 160 = 128 + 32, 192 = 128 + 64) is computed as those two parts (HEAD_DIM, HEAD_DIM2),
+    two dots a product, a quarter to three eighths less matmul work; others are padded (HEAD_DIM2 = 0).
+    The persistent forward (powers of two only) and the small kernels around the loops take the padded
+    ``HEAD_DIM`` of ``constexprs``."""
     padded = max(16, triton.next_power_of_2(head_dim))
     first = padded // 2
     second = max(16, triton.next_power_of_2(max(1, head_dim - first)))

@@ -10,8 +10,8 @@ Constexpr flags the helpers take (the kernels pass their own through):
   BLOCK_M/BLOCK_N kernel tile (queries/keys); each divides SPARSE_BLOCK_M/SPARSE_BLOCK_N, the mask block.
   HEAD_DIM        the head dim padded to a power of two >= 16; or, with HEAD_DIM2, the first of two parts.
   HEAD_DIM2       0, or the width of a second part of the head dim, columns [HEAD_DIM, HEAD_DIM + HEAD_DIM2)
-                  (a power of two >= 16): the forward kernels compute a head dim that is not a power of
-                  two (96 = 64 + 32) as two parts, two dots a product, instead of padding it.
+                  (a power of two >= 16): the kernels compute a head dim that is not a power of two
+                  (96 = 64 + 32) as two parts, two dots a product, instead of padding it.
   D_PADDED        the real head dim is smaller than the columns computed: bound the loads (the last part's).
   V_TRANSPOSED    load the value tile as (D, BN) (the dQ loop's layout) instead of (BN, D).
   DOT_PRECISION   tl.dot input precision ("tf32" for fp32 inputs on the GPU, "ieee" otherwise).
@@ -57,25 +57,50 @@ def mma(a, b, acc, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
 
 
 @triton.jit
+def second_part_columns(HEAD_DIM: tl.constexpr, HEAD_DIM2: tl.constexpr):
+    """The head dim's second part's columns, HEAD_DIM + [0, HEAD_DIM2), or without one an empty
+    placeholder (which a loop does not carry)."""
+    if HEAD_DIM2 > 0:
+        return HEAD_DIM + tl.arange(0, HEAD_DIM2)
+    else:
+        return ()
+
+
+@triton.jit
+def load_part(row_ptrs, stride_d, rows_in, offs_d, head_dim, BOUNDED: tl.constexpr):
+    """Columns offs_d of rows of a (rows, head dim) tensor, ``row_ptrs`` (BM, 1) pointing at their
+    column 0; with BOUNDED, rows outside rows_in (BM, 1) and columns past head_dim read 0."""
+    if BOUNDED:
+        return tl.load(row_ptrs + offs_d[None, :] * stride_d, mask=rows_in & (offs_d[None, :] < head_dim), other=0.0)
+    else:
+        return tl.load(row_ptrs + offs_d[None, :] * stride_d)
+
+
+@triton.jit
 def load_head_parts(row_ptrs, stride_d, rows_in, offs_d, offs_d2, head_dim, HEAD_DIM2: tl.constexpr):
-    """Rows of a (rows, head dim) tensor, ``row_ptrs`` (BM, 1) pointing at their column 0: columns offs_d,
-    and with HEAD_DIM2 the second part's, offs_d2 (else 0); rows outside rows_in (BM, 1) and columns past
-    head_dim read 0."""
-    x = tl.load(row_ptrs + offs_d[None, :] * stride_d, mask=rows_in & (offs_d[None, :] < head_dim), other=0.0)
+    """``load_part`` of columns offs_d and, with HEAD_DIM2, of the second part's, offs_d2 (else 0),
+    bounded."""
+    x = load_part(row_ptrs, stride_d, rows_in, offs_d, head_dim, True)
     x2 = 0
     if HEAD_DIM2 > 0:
-        x2 = tl.load(row_ptrs + offs_d2[None, :] * stride_d, mask=rows_in & (offs_d2[None, :] < head_dim), other=0.0)
+        x2 = load_part(row_ptrs, stride_d, rows_in, offs_d2, head_dim, True)
     return x, x2
 
 
 @triton.jit
+def store_part(row_ptrs, stride_d, rows_in, x, offs_d, head_dim):
+    """Store x at columns offs_d of the rows ``load_part`` reads, in the tensor's dtype, in rows_in and below
+    head_dim."""
+    tl.store(row_ptrs + offs_d[None, :] * stride_d, x.to(row_ptrs.dtype.element_ty),
+             mask=rows_in & (offs_d[None, :] < head_dim))
+
+
+@triton.jit
 def store_head_parts(row_ptrs, stride_d, rows_in, x, x2, offs_d, offs_d2, head_dim, HEAD_DIM2: tl.constexpr):
-    """Store what ``load_head_parts`` reads: x at columns offs_d and, with HEAD_DIM2, x2 at offs_d2, in the
-    tensor's dtype, in rows_in and below head_dim."""
-    dtype = row_ptrs.dtype.element_ty
-    tl.store(row_ptrs + offs_d[None, :] * stride_d, x.to(dtype), mask=rows_in & (offs_d[None, :] < head_dim))
+    """Store what ``load_head_parts`` reads: x at columns offs_d and, with HEAD_DIM2, x2 at offs_d2."""
+    store_part(row_ptrs, stride_d, rows_in, x, offs_d, head_dim)
     if HEAD_DIM2 > 0:
-        tl.store(row_ptrs + offs_d2[None, :] * stride_d, x2.to(dtype), mask=rows_in & (offs_d2[None, :] < head_dim))
+        store_part(row_ptrs, stride_d, rows_in, x2, offs_d2, head_dim)
 
 
 @triton.jit
@@ -239,12 +264,12 @@ def key_tile_scores(q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stri
 
     Returns the base-2 scores (BM, BN) with dropped ones at -inf (keys past kv_bound; with
     APPLY_CAUSAL, keys after the query; with APPLY_MASK_MOD, what MASK_MOD drops), k^T (D, BN), v as
-    (BN, D), or (D, BN) with V_TRANSPOSED, the second part's v (0 without HEAD_DIM2), and SCORE_MOD's
-    derivative (``modded_scores``)."""
+    (BN, D), or (D, BN) with V_TRANSPOSED, the second part's k^T and v (0 without HEAD_DIM2), and
+    SCORE_MOD's derivative (``modded_scores``)."""
     k_t, v = load_key_part(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_kv, offs_d, kv_bound,
                            head_dim, APPLY_KV_BOUND or (D_PADDED and HEAD_DIM2 == 0), V_TRANSPOSED)
     qk = mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS)
-    v2 = 0
+    k2_t, v2 = 0, 0
     if HEAD_DIM2 > 0:
         k2_t, v2 = load_key_part(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_kv, offs_d2,
                                  kv_bound, head_dim, APPLY_KV_BOUND or D_PADDED, V_TRANSPOSED)
@@ -258,7 +283,7 @@ def key_tile_scores(q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stri
         if APPLY_MASK_MOD:
             keep = keep & MASK_MOD(b, h, q_idx, kv_idx, MODS)
         s = tl.where(keep, s, float("-inf"))
-    return s, k_t, v, v2, d_score
+    return s, k_t, v, k2_t, v2, d_score
 
 
 @triton.jit
@@ -438,11 +463,11 @@ def forward_tiles(acc, acc2, l_i, m_i, q, q2, k_base, v_base, stride_kn, stride_
     for t in range(t_lo, t_hi):
         kv_start = tile_start(t, block, FROM_TABLE, BLOCK_N, SPARSE_BLOCK_N)
         offs_kv = kv_start + offs_n
-        s, _, v, v2, _ = key_tile_scores(q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_m,
-                                         offs_kv, offs_d, offs_d2, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
-                                         q_ref, kv_start, keys, MODS, APPLY_CAUSAL, APPLY_KV_BOUND, APPLY_MASK_MOD,
-                                         MASK_MOD, SCORE_MOD, SCORE_KEYS, HEAD_DIM2, D_PADDED, False, DOT_PRECISION,
-                                         WIDEN_DOTS)
+        s, _, v, _, v2, _ = key_tile_scores(q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                            offs_m, offs_kv, offs_d, offs_d2, kv_bound, head_dim, qk_scale, b, h, q_len,
+                                            kv_len, q_ref, kv_start, keys, MODS, APPLY_CAUSAL, APPLY_KV_BOUND,
+                                            APPLY_MASK_MOD, MASK_MOD, SCORE_MOD, SCORE_KEYS, HEAD_DIM2, D_PADDED, False,
+                                            DOT_PRECISION, WIDEN_DOTS)
         kept = forward_kept(seed, drop_row, row_start, kv_start, offs_m, offs_kv, drop_threshold, DROPOUT,
                             ALIGNED_ROWS)
         acc, acc2, l_i, m_i = online_softmax_step(acc, acc2, l_i, m_i, s, v, v2, kept, MAY_BE_EMPTY, DROPOUT,

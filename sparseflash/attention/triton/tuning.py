@@ -74,16 +74,17 @@ class ConfigKey:
     persistent: str = ""  # forward_persistent.mode(): "" never, "auto" tuned against the others, "only"
     mods: str = ""  # what else the loop does: "mask", "score", "dropout" joined by "+", or "" (registers,
     # work); "score-special" for a score function using exp, log, tanh or sqrt (Graph.uses_special_functions)
-    head_dim_parts: str = ""  # the forward kernels' two parts of a head dim, e.g. "64+32" (plan.forward_head_dims),
-    # or "" where the kernel computes head_dim padded
+    head_dim_parts: str = ""  # a head dim computed as two parts, e.g. "64+32" (plan.head_dim_parts), or ""
+    # where the kernels compute it padded
 
     @classmethod
-    def of(cls, q: torch.Tensor, mask, padded_dim: int, persistent: str = "", mods: str = "") -> "ConfigKey":
+    def of(cls, q: torch.Tensor, mask, padded_dim: int, persistent: str = "", mods: str = "",
+           head_dim_parts: str = "") -> "ConfigKey":
         blocks_per_row = max(1.0, mask.mean_row_blocks)
         tiles = q.shape[0] * q.shape[1] * -(-q.shape[2] // 128)
         return cls(padded_dim, str(q.dtype).removeprefix("torch."), mask.kind.name,
                    tuple(mask.block_size), mask.causal, round(math.log2(blocks_per_row)),
-                   round(math.log2(tiles)), _device_name(q.device), persistent, mods)
+                   round(math.log2(tiles)), _device_name(q.device), persistent, mods, head_dim_parts)
 
     @property
     def columns(self) -> int:
@@ -128,9 +129,13 @@ CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
     "dq": {64: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2))},
     "dkdv": {64: _configs((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2))},
     "backward": {
+        # 80 and 96 columns: 64x64 tiles with 4 warps, 8 % ahead of 128x64/w8 (H200)
+        96: _configs((64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3)),
         128: _configs((128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3),
                       (128, 32, 8, 2), (128, 128, 8, 2)),
         # 8 warps: with 4, a 64-key tile's dK and dV (2 x 64 x 256 fp32) spill from 128 threads' registers
+        # 160 (128 + 32) and 192 (128 + 64): 128-key tiles fit without the padding, 1.7-2x 64x64/w8 (H200)
+        192: _configs((128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 8, 3), (64, 64, 8, 2)),
         256: _configs((64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
     },
 }
