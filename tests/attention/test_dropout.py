@@ -35,6 +35,9 @@ CASES = [
     ("relative-bias-window", 80, 50, 8, torch.bfloat16, False, False, 0.4),
     ("decode-dense", 5, 200, 16, torch.bfloat16, True, True, 0.3),
     ("decode-causal-window", 3, 150, 16, torch.float32, False, False, 0.2),
+    # head dims as two parts (48 = 32 + 16): the forward, dK/dV and dQ launches; the decode forward
+    ("causal", 70, 70, 48, torch.bfloat16, True, True, 0.2),
+    ("decode-dense", 4, 180, 48, torch.float16, False, False, 0.3),
 ]
 
 
@@ -335,6 +338,7 @@ GPU_CASES = [
     ("butterfly", 2048, 2048, 128, torch.bfloat16, False, False, 0.2),
     ("alibi-causal", 777, 777, 64, torch.bfloat16, True, True, 0.1),
     ("decode-dense", 4, 4096, 128, torch.bfloat16, True, True, 0.1),
+    ("causal", 1000, 1000, 96, torch.bfloat16, True, True, 0.1),
 ]
 
 

@@ -102,6 +102,7 @@ CPU_CASES = [
     ("softcap-dense", 70, 70, 16, torch.bfloat16, False, False),
     ("relative-bias-window", 100, 100, 16, torch.float16, True, False),
     ("relative-bias-window", 80, 50, 8, torch.bfloat16, False, True),
+    ("relative-bias-window", 70, 60, 72, torch.float16, True, True),  # head dim 64 + 16 (padded) columns
     ("every-op-score", 64, 64, 16, torch.float32, False, False),
     ("every-op-score", 70, 90, 8, torch.bfloat16, True, False),
 ]

@@ -175,7 +175,7 @@ def head_dim_parts(head_dim: int) -> dict:
     """The head-dim constexprs of the regular, decode and backward kernels: a head dim that two powers
     of two >= 16 cover with fewer columns than its padding to one (48 = 32 + 16, 80 = 64 + 16,
     96 = 64 + 32, 160 = 128 + 32, 192 = 128 + 64) is computed as those two parts (HEAD_DIM, HEAD_DIM2),
-    two dots a product, a quarter to three eighths less matmul work; others are padded (HEAD_DIM2 = 0).
+    two dots a product, up to seven sixteenths less matmul work; others are padded (HEAD_DIM2 = 0).
     The persistent forward (powers of two only) and the small kernels around the loops take the padded
     ``HEAD_DIM`` of ``constexprs``."""
     padded = max(16, triton.next_power_of_2(head_dim))

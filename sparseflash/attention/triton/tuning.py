@@ -91,8 +91,9 @@ class ConfigKey:
         """The head-dim columns the kernel computes: the parts' sum, or the padded head dim."""
         return sum(map(int, self.head_dim_parts.split("+"))) if self.head_dim_parts else self.head_dim
 
-    def __str__(self) -> str:
-        return "|".join(str(v) for v in asdict(self).values()) + f"|triton-{triton.__version__}"
+    def __str__(self) -> str:  # head_dim_parts only where set: the disk cache keeps the other keys' names
+        values = [v for name, v in asdict(self).items() if name != "head_dim_parts" or v]
+        return "|".join(str(v) for v in values) + f"|triton-{triton.__version__}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,9 +134,9 @@ CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
         96: _configs((64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3)),
         128: _configs((128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3),
                       (128, 32, 8, 2), (128, 128, 8, 2)),
-        # 8 warps: with 4, a 64-key tile's dK and dV (2 x 64 x 256 fp32) spill from 128 threads' registers
         # 160 (128 + 32) and 192 (128 + 64): 128-key tiles fit without the padding, 1.7-2x 64x64/w8 (H200)
         192: _configs((128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 8, 3), (64, 64, 8, 2)),
+        # 8 warps: with 4, a 64-key tile's dK and dV (2 x 64 x 256 fp32) spill from 128 threads' registers
         256: _configs((64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
     },
 }
