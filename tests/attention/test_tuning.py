@@ -164,6 +164,8 @@ def test_a_split_head_dim_takes_its_own_candidates_and_no_padded_entry(tunings, 
     assert tuning.candidates("forward", key) == tuning.CANDIDATES["forward"][96]
     assert tuning.candidates("backward", key) == tuning.CANDIDATES["backward"][96]
     padded = dataclasses.replace(key, head_dim_parts="")
+    # disk-cache names carry the parts where set, and no empty field for an unsplit key
+    assert "|64+32|" in str(key) and str(padded).count("|") == str(key).count("|") - 1
     forward_entry, backward_entry = tuning.KernelConfig(128, 64, 4, 2), tuning.KernelConfig(128, 64, 8, 2)
     assert forward_entry in tuning.CANDIDATES["forward"][96] and backward_entry in tuning.CANDIDATES["backward"][96]
     monkeypatch.setattr(tuning, "_table", _table_of(("forward", padded, forward_entry),
