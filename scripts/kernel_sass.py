@@ -8,7 +8,7 @@ its instructions, tensor-core ops and register spills (docs/kernels.md shows wha
 A variant is KERNEL:KIND:HEAD_DIM:BMxBNwWARPSsSTAGES[:ragged][:dropout], KERNEL fwd, pfwd (the
 persistent forward, for 132 SMs), dec (the split-KV decode forward, 4 heads a program), bwd (both
 kinds of program in one launch), dkdv or dq; KIND dense, causal or sparse (128x128 mask blocks);
-HEAD_DIM the real head dim (computed as ``plan.head_dim_parts`` says; pfwd pads it);
+HEAD_DIM the real head dim (computed as ``plan.head_dim_parts`` says);
 ``ragged`` compiles the EVEN_LENGTHS=False variant, ``dropout`` the DROPOUT one, ``alibi`` or
 ``softcap`` the built-in score function's generated helper. Arguments are typed
 as the launcher passes them: bf16 tensors, the head-dim stride 1, other tensor strides divisible by 16.
@@ -41,11 +41,9 @@ def compile_variant(spec: str):
     mask_kind, causal = KINDS[kind]
     fn = {"fwd": forward._attn_fwd, "pfwd": forward_persistent._attn_fwd_persistent,
           "dec": forward_decode._attn_fwd_decode}.get(kernel, backward._attn_bwd)
-    padded = max(16, triton.next_power_of_2(int(head_dim)))
-    head_dims = (dict(HEAD_DIM=padded, D_PADDED=padded != int(head_dim)) if kernel == "pfwd"
-                 else head_dim_parts(int(head_dim)))
     constants = dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, HAS_KEY_LENGTHS=False, BLOCK_M=bm, BLOCK_N=bn,
-                     SPARSE_BLOCK_M=128, SPARSE_BLOCK_N=128, **head_dims, DOT_PRECISION="ieee", WIDEN_DOTS=False,
+                     SPARSE_BLOCK_M=128, SPARSE_BLOCK_N=128, **head_dim_parts(int(head_dim)), DOT_PRECISION="ieee",
+                     WIDEN_DOTS=False,
                      EVEN_LENGTHS=kind != "sparse" and "ragged" not in rest, MASK_MOD=None, SCORE_MOD=None,
                      SCORE_KEYS=None, SCORE_ROW=None, DROPOUT="dropout" in rest)
     for name in set(rest) & {"alibi", "softcap"}:

@@ -218,7 +218,6 @@ def _dkdv_program(
                 mask=kv_in, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    # without a second part: placeholders, empty so that the group loop below carries nothing for them
     offs_d2 = second_part_columns(HEAD_DIM, HEAD_DIM2)
     k2, v2, dk2, dv2 = (), (), (), ()
     keys_in = offs_n[:, None] < kv_len
@@ -362,7 +361,7 @@ def _dq_program(
     if HAS_KEY_LENGTHS:
         kv_bound = tl.minimum(kv_bound, tl.load(KEY_LENGTHS + b).to(tl.int32))
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    dq2 = 0
+    dq2 = ()
     if HEAD_DIM2 > 0:
         dq2 = tl.zeros([BLOCK_M, HEAD_DIM2], dtype=tl.float32)
     WALK_TABLES: tl.constexpr = MASK_KIND == 2
@@ -506,7 +505,7 @@ def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk,
                     grad.zero_()
         (BACKWARD.compile_ahead if ahead else BACKWARD)(
             grid, tensors, scalars,
-            plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=plan.score_mod_grads, **plan.head_dim_parts))
+            plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=plan.score_mod_grads))
     return launch
 
 

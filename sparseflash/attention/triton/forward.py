@@ -119,7 +119,7 @@ def _launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, m
         (cdiv(plan.q_len, cfg.block_m), plan.batch * plan.heads), (q, k, v, o, lse, key_lengths, *tables, mods, seed),
         (*q.stride(), *k.stride(), *v.stride(), *o.stride(), *table_strides, plan.heads, plan.groups,
          plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale, *dropout_scalars),
-        plan.constexprs(cfg, **plan.head_dim_parts))
+        plan.constexprs(cfg))
     return cfg
 
 

@@ -200,7 +200,7 @@ def launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, mo
         grid, (q, k, v, out, out_lse, key_lengths, *tables, mods, seed),
         (*q.stride(), *k.stride(), *v.stride(), *out.stride()[-4:], *table_strides, plan.heads, plan.groups,
          plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale, n_splits, *split_strides, *dropout_scalars),
-        plan.constexprs(cfg, PACK=heads_per_program, SPLIT=n_splits > 1, **plan.head_dim_parts))
+        plan.constexprs(cfg, PACK=heads_per_program, SPLIT=n_splits > 1))
     if n_splits > 1:
         (COMBINE.compile_ahead if ahead else COMBINE)(
             (plan.q_len, plan.batch * plan.heads), (out, out_lse, o, lse),

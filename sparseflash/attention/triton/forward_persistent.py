@@ -82,7 +82,7 @@ def _fwd_tiles_tma(acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col,
             else:
                 keep = MASK_MOD(b, h, offs_m[:, None], offs_kv[None, :], MODS)
             s = tl.where(keep, s, float("-inf"))
-        acc, _, l_i, m_i = online_softmax_step(acc, 0, l_i, m_i, s, v, 0, 0, MAY_BE_EMPTY, False, 0, DOT_PRECISION,
+        acc, _, l_i, m_i = online_softmax_step(acc, (), l_i, m_i, s, v, (), 0, MAY_BE_EMPTY, False, 0, DOT_PRECISION,
                                                WIDEN_DOTS)
     return acc, l_i, m_i
 
@@ -98,7 +98,7 @@ def _attn_fwd_persistent(
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_KEY_LENGTHS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_BLOCK_M: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
     SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     MASK_EVERY_TILE: tl.constexpr,
@@ -110,8 +110,8 @@ def _attn_fwd_persistent(
     Triton's warp specialisation (Hopper, num_warps=4) splits the tile loop into a producer warp
     that loads and two consumer warpgroups of BLOCK_M / 2 rows each; the producer loads the next
     tile's Q while the consumers finish the current one."""
-    tl.static_assert(not HAS_KEY_LENGTHS and not D_PADDED and not DROPOUT,
-                     "the persistent forward takes no key_lengths and no dropout, and unpadded heads only")
+    tl.static_assert(not HAS_KEY_LENGTHS and not D_PADDED and HEAD_DIM2 == 0 and not DROPOUT,
+                     "the persistent forward takes no key_lengths and no dropout, and power-of-two heads only")
     q_desc = row_view(Q, q_rows, stride_qm, BLOCK_M, HEAD_DIM)
     k_desc = row_view(K, k_rows, stride_kn, BLOCK_N, HEAD_DIM)
     v_desc = row_view(V, v_rows, stride_vn, BLOCK_N, HEAD_DIM)
@@ -146,7 +146,7 @@ def _attn_fwd_persistent(
             MASK_MOD if MASK_EVERY_TILE else None, SCORE_MOD, SCORE_KEYS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N,
             DOT_PRECISION, WIDEN_DOTS)
         # the row term as a vector: a reduction over a 1-wide column fails the warp-specialisation pass
-        o, _, lse = finish_rows(acc, 0, l_i, m_i, row_term(b, h, q_start + tl.arange(0, BLOCK_M), q_start, kv_len,
+        o, _, lse = finish_rows(acc, (), l_i, m_i, row_term(b, h, q_start + tl.arange(0, BLOCK_M), q_start, kv_len,
                                                            MODS, SCORE_ROW), 0)
         if WALK_TABLES:  # rows of few tiles: o straight from registers, not waiting for a TMA store
             o_offs = (q_start + tl.arange(0, BLOCK_M))[:, None] * stride_om + tl.arange(0, HEAD_DIM)[None, :]

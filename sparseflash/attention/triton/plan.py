@@ -151,11 +151,11 @@ class LaunchPlan:
 
     def constexprs(self, cfg: KernelConfig, **extra) -> dict:
         """The constexprs and launch options of a launch with ``cfg``: its tiles, warps and stages,
-        the flags that forward and backward kernels share, and ``extra`` flags (which replace those)."""
+        the flags that forward and backward kernels share, and ``extra`` flags."""
         key = (cfg, *extra.items())
         if key not in self._constexprs:
-            self._constexprs[key] = {**dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-                                            num_stages=cfg.num_stages, **self._flags_of(cfg)), **extra}
+            self._constexprs[key] = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                                         num_stages=cfg.num_stages, **self._flags_of(cfg), **extra)
         return self._constexprs[key]
 
     def _flags_of(self, cfg: KernelConfig) -> dict:
@@ -164,7 +164,7 @@ class LaunchPlan:
         return dict(
             MASK_KIND=KIND_CODES[self.kind], IS_CAUSAL=self.causal, HAS_KEY_LENGTHS=self.has_key_lengths,
             SPARSE_BLOCK_M=self.sparse_block[0], SPARSE_BLOCK_N=self.sparse_block[1],
-            HEAD_DIM=self.padded_dim, D_PADDED=self.padded_dim != self.head_dim,
+            **self.head_dim_parts,
             DOT_PRECISION=self.dot_precision, WIDEN_DOTS=interpreting(), EVEN_LENGTHS=even,
             MASK_MOD=self.mask_mod, SCORE_MOD=self.score_mod, SCORE_KEYS=self.score_keys, SCORE_ROW=self.score_row,
             DROPOUT=self.dropout,
@@ -172,12 +172,11 @@ class LaunchPlan:
 
 
 def head_dim_parts(head_dim: int) -> dict:
-    """The head-dim constexprs of the regular, decode and backward kernels: a head dim that two powers
-    of two >= 16 cover with fewer columns than its padding to one (48 = 32 + 16, 80 = 64 + 16,
-    96 = 64 + 32, 160 = 128 + 32, 192 = 128 + 64) is computed as those two parts (HEAD_DIM, HEAD_DIM2),
-    two dots a product, up to seven sixteenths less matmul work; others are padded (HEAD_DIM2 = 0).
-    The persistent forward (powers of two only) and the small kernels around the loops take the padded
-    ``HEAD_DIM`` of ``constexprs``."""
+    """The head-dim constexprs the kernels share (``constexprs``): a head dim that two powers of two
+    >= 16 cover with fewer columns than its padding to one (48 = 32 + 16, 80 = 64 + 16, 96 = 64 + 32,
+    160 = 128 + 32, 192 = 128 + 64) is computed as those two parts (HEAD_DIM, HEAD_DIM2), two dots a
+    product, up to seven sixteenths less matmul work; others are padded (HEAD_DIM2 = 0). The persistent
+    forward takes powers of two only; the small kernels around the loops pad (``padded_dim``)."""
     padded = max(16, triton.next_power_of_2(head_dim))
     first = padded // 2
     second = max(16, triton.next_power_of_2(max(1, head_dim - first)))

@@ -11,7 +11,9 @@ Constexpr flags the helpers take (the kernels pass their own through):
   HEAD_DIM        the head dim padded to a power of two >= 16; or, with HEAD_DIM2, the first of two parts.
   HEAD_DIM2       0, or the width of a second part of the head dim, columns [HEAD_DIM, HEAD_DIM + HEAD_DIM2)
                   (a power of two >= 16): the kernels compute a head dim that is not a power of two
-                  (96 = 64 + 32) as two parts, two dots a product, instead of padding it.
+                  (96 = 64 + 32) as two parts, two dots a product, instead of padding it. Without one, the
+                  second part's values (q2, acc2, ...) are empty tuples, which compile to nothing (a 0
+                  would become an i32 that loops and branches carry).
   D_PADDED        the real head dim is smaller than the columns computed: bound the loads (the last part's).
   V_TRANSPOSED    load the value tile as (D, BN) (the dQ loop's layout) instead of (BN, D).
   DOT_PRECISION   tl.dot input precision ("tf32" for fp32 inputs on the GPU, "ieee" otherwise).
@@ -58,8 +60,7 @@ def mma(a, b, acc, DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
 
 @triton.jit
 def second_part_columns(HEAD_DIM: tl.constexpr, HEAD_DIM2: tl.constexpr):
-    """The head dim's second part's columns, HEAD_DIM + [0, HEAD_DIM2), or without one an empty
-    placeholder (which a loop does not carry)."""
+    """The head dim's second part's columns, HEAD_DIM + [0, HEAD_DIM2), or without one ()."""
     if HEAD_DIM2 > 0:
         return HEAD_DIM + tl.arange(0, HEAD_DIM2)
     else:
@@ -78,10 +79,10 @@ def load_part(row_ptrs, stride_d, rows_in, offs_d, head_dim, BOUNDED: tl.constex
 
 @triton.jit
 def load_head_parts(row_ptrs, stride_d, rows_in, offs_d, offs_d2, head_dim, HEAD_DIM2: tl.constexpr):
-    """``load_part`` of columns offs_d and, with HEAD_DIM2, of the second part's, offs_d2 (else 0),
+    """``load_part`` of columns offs_d and, with HEAD_DIM2, of the second part's, offs_d2 (else ()),
     bounded."""
     x = load_part(row_ptrs, stride_d, rows_in, offs_d, head_dim, True)
-    x2 = 0
+    x2 = ()
     if HEAD_DIM2 > 0:
         x2 = load_part(row_ptrs, stride_d, rows_in, offs_d2, head_dim, True)
     return x, x2
@@ -264,12 +265,12 @@ def key_tile_scores(q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stri
 
     Returns the base-2 scores (BM, BN) with dropped ones at -inf (keys past kv_bound; with
     APPLY_CAUSAL, keys after the query; with APPLY_MASK_MOD, what MASK_MOD drops), k^T (D, BN), v as
-    (BN, D), or (D, BN) with V_TRANSPOSED, the second part's k^T and v (0 without HEAD_DIM2), and
+    (BN, D), or (D, BN) with V_TRANSPOSED, the second part's k^T and v (() without HEAD_DIM2), and
     SCORE_MOD's derivative (``modded_scores``)."""
     k_t, v = load_key_part(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_kv, offs_d, kv_bound,
                            head_dim, APPLY_KV_BOUND or (D_PADDED and HEAD_DIM2 == 0), V_TRANSPOSED)
     qk = mma(q, k_t, None, DOT_PRECISION, WIDEN_DOTS)
-    k2_t, v2 = 0, 0
+    k2_t, v2 = (), ()
     if HEAD_DIM2 > 0:
         k2_t, v2 = load_key_part(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_kv, offs_d2,
                                  kv_bound, head_dim, APPLY_KV_BOUND or D_PADDED, V_TRANSPOSED)
@@ -431,13 +432,13 @@ def online_softmax_step(acc, acc2, l_i, m_i, s, v, v2, kept, MAY_BE_EMPTY: tl.co
 
 @triton.jit
 def finish_rows(acc, acc2, l_i, m_i, row, HEAD_DIM2: tl.constexpr):
-    """The rows' output (fp32, BM x D), its second part's (from acc2; 0 without HEAD_DIM2) and
+    """The rows' output (fp32, BM x D), its second part's (from acc2; () without HEAD_DIM2) and
     natural-log lse, with ``row`` (``row_term``, base 2) added to it; a row that saw no key, or whose
     row term is -inf, gets 0 and -inf."""
     seen = (l_i > 0.0) & (m_i + row > float("-inf"))
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe) + row) * 0.6931471805599453, float("-inf"))  # * ln 2
-    o2 = 0
+    o2 = ()
     if HEAD_DIM2 > 0:
         o2 = tl.where(seen[:, None], acc2 / l_safe[:, None], 0.0)
     return tl.where(seen[:, None], acc / l_safe[:, None], 0.0), o2, lse
@@ -487,14 +488,14 @@ def forward_row(q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_v
                 HEAD_DIM: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 WIDEN_DOTS: tl.constexpr):
     """The rows' output (fp32, BLOCK_M x HEAD_DIM), its second part's (BLOCK_M x HEAD_DIM2, for q2's
-    columns offs_d2; 0 without HEAD_DIM2) and lse over their unmasked tiles [full_lo, full_hi),
+    columns offs_d2; () without HEAD_DIM2) and lse over their unmasked tiles [full_lo, full_hi),
     then their masked tiles [part_lo, part_hi) (``row_tile_ranges``' runs, or a share of them); with
     DROPOUT the output of the kept probabilities, scaled by drop_scale. ``q_ref``: a query position
     next to the rows, their reference for a separable score function (``row_term``)."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    acc2 = 0
+    acc2 = ()
     if HEAD_DIM2 > 0:
         acc2 = tl.zeros([BLOCK_M, HEAD_DIM2], dtype=tl.float32)
     # SPARSE full blocks may still straddle key_lengths[b]; DENSE/CAUSAL runs stop before it.
