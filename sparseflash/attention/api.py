@@ -10,6 +10,7 @@ import torch
 
 from sparseflash.attention.blocked import blocked_attention
 from sparseflash.attention.dropout import Dropout, check_p, draw_seed
+from sparseflash.attention.kept_tensors import made_outside_graph_pools
 from sparseflash.attention.reference import reference_attention
 from sparseflash.masks import DEFAULT_BLOCK, BlockMask, MaskSpec
 from sparseflash.masks.functions import trace
@@ -49,7 +50,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _built_mask(key: str, q_len: int, kv_len: int, heads: int | None, device: str) -> BlockMask:
-    return MaskSpec.from_key(key).build(q_len, kv_len, heads=heads, device=device)
+    return made_outside_graph_pools(lambda: MaskSpec.from_key(key).build(q_len, kv_len, heads=heads, device=device),
+                                    torch.device(device))
 
 
 def built_mask(spec: MaskSpec, q_len: int, kv_len: int, heads: int, device: torch.device | str) -> BlockMask:

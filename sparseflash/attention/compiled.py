@@ -92,6 +92,12 @@ def _mask(tensors: list[torch.Tensor], captures: list[torch.Tensor], spec: str, 
     identity = (tuple(id(t) for t in tensors[1:]), tuple(id(t) for t in captures), spec)
     held = _MASKS.get(tensors[0])
     if held is None or held[0] != identity:
+        if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "a BlockMask met for the first time inside a CUDA graph capture: its tables are derived on the "
+                "host, which a capture cannot wait for. Under torch.compile(mode='reduce-overhead'), give the "
+                "mask by name or as a MaskSpec, or mark its tensors static before the first call: "
+                "for t in mask.parts()[0]: torch._dynamo.mark_static_address(t)")
         held = _MASKS[tensors[0]] = (identity, BlockMask.from_parts(tensors, captures, spec))
     return held[1]
 

@@ -15,7 +15,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import sparseflash
 from sparseflash import SparseAttention, masks
 from tests.attention.test_mods import _case_id, _inputs, _mask
-from tests.helpers import check_backend
+from tests.helpers import _grads, check_backend, check_outputs
 
 # torch's own Inductor code calls torch.jit.script_method, which warns
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -92,6 +92,39 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 def test_gpu_compiled_matches_reference(case, compiler):
     _check_compiled(case, "triton", compiler, device="cuda")
+
+
+REDUCE_OVERHEAD_CASES = [
+    # mask, q_len, kv_len, dim, heads, kv_heads: decoding (split-KV) against a cache, and training steps
+    ("dense", 1, 8192, 128, 8, 1),
+    ("causal", 2048, 2048, 64, 4, 2),
+    ("butterfly", 1000, 1000, 128, 4, 4),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", REDUCE_OVERHEAD_CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-d{c[3]}")
+def test_gpu_reduce_overhead_cuda_graphs_match_reference(case):
+    """``torch.compile(mode="reduce-overhead")`` replays the forward and backward graphs as CUDA graphs, which
+    allow no allocation to outlive a call in their memory pool: the masks, plans and tables the op keeps
+    are made outside it (``kept_tensors``). Three steps, each with new random inputs copied into the
+    graphs, each against the reference; a mask given by name, or a BlockMask whose tensors are static."""
+    kind, q_len, kv_len, dim, heads, kv_heads = case
+    mask = None if kind == "dense" else kind
+    if kind == "butterfly":  # a BlockMask: its tensors static, so that the graphs read them in place
+        mask = masks.make("butterfly", q_len, block=128, device="cuda")
+        for t in mask.parts()[0]:
+            torch._dynamo.mark_static_address(t)
+
+    def run(q, k, v):
+        return sparseflash.attention(q, k, v, mask, return_lse=True)
+
+    compiled = torch.compile(run, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        q, k, v, do = _inputs(2, heads, kv_heads, q_len, kv_len, dim, torch.bfloat16, "cuda")
+        got = _grads(compiled, q, k, v, do, None)
+        check_outputs(got, q, k, v, mask, do)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparseflash.attention.kept_tensors import made_outside_graph_pools
 from sparseflash.attention.triton.launch import Launcher, interpreting, multiprocessors
 from sparseflash.attention.triton.tiles import (ROW_LENGTH_ARGS, finish_rows, key_steps, listed_block, mma,
                                                modded_scores, online_softmax_step, row_term, row_tile_ranges,
@@ -226,7 +227,8 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     buffer = _SCRATCH.get((device, stream))
     if buffer is None or buffer.numel() < size:
-        buffer = _SCRATCH[device, stream] = torch.empty(size, dtype=torch.int8, device=device)
+        buffer = _SCRATCH[device, stream] = made_outside_graph_pools(
+            lambda: torch.empty(size, dtype=torch.int8, device=device), torch.device(device))
     return buffer
 
 

@@ -14,6 +14,7 @@ import torch
 import triton
 
 from sparseflash.attention.dropout import Dropout
+from sparseflash.attention.kept_tensors import made_outside_graph_pools
 from sparseflash.attention.triton import codegen, forward_persistent
 from sparseflash.attention.triton.launch import Standin, interpreting
 from sparseflash.attention.triton.tuning import ConfigKey, KernelConfig
@@ -40,7 +41,8 @@ class LaunchPlan:
                None if score_graph is None else score_graph.key(), dropout)
         plan = per_mask.get(key)
         if plan is None:
-            plan = per_mask[key] = cls(q, k, mask, has_key_lengths, scale, score_graph, dropout)
+            plan = per_mask[key] = made_outside_graph_pools(
+                lambda: cls(q, k, mask, has_key_lengths, scale, score_graph, dropout), q.device)
         return plan
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, has_key_lengths: bool, scale: float,
@@ -119,7 +121,9 @@ class LaunchPlan:
         if layout not in self._mods_tables:
             if len(self._mods_tables) >= MODS_TABLES_KEPT:  # the oldest goes
                 del self._mods_tables[next(iter(self._mods_tables))]
-            self._mods_tables[layout] = codegen.mods_table(captures, [None] * len(captures), self._placeholder.device)
+            self._mods_tables[layout] = made_outside_graph_pools(
+                lambda: codegen.mods_table(captures, [None] * len(captures), self._placeholder.device),
+                self._placeholder.device)
         return self._mods_tables[layout]
 
     def dropout_args(self, dropout: Dropout | None, ahead: bool = False) -> tuple:
