@@ -19,6 +19,7 @@ per K/V head, forward only:
   python scripts/build_config_table.py
   python scripts/build_config_table.py --head-dims 64 --out /tmp/table.json
   python scripts/build_config_table.py --passes 3
+  python scripts/build_config_table.py --decode-only --passes 3   # add or renew the decoding entries
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=tuning.TABLE_PATH)
     parser.add_argument("--passes", type=int, default=1, help="independent tuning passes per shape (majority vote)")
-    parser.add_argument("--no-decode", action="store_true", help="skip the decoding shapes")
+    decode = parser.add_mutually_exclusive_group()
+    decode.add_argument("--no-decode", action="store_true", help="skip the decoding shapes")
+    decode.add_argument("--decode-only", action="store_true", help="only the decoding shapes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: the table holds configs tuned on a GPU; this machine has no CUDA device")
@@ -124,7 +127,8 @@ def main() -> None:
     cache_root = os.environ.get("SPARSEFLASH_CACHE_DIR", str(Path.home() / ".cache" / "sparseflash"))
     shapes = [(f"hd{head_dim} S={seq_len} {label}", functools.partial(run_shape, seq_len, head_dim, label,
                                                                        args.tokens, args.hidden))
-              for head_dim in args.head_dims for seq_len in args.seq_lens for label in args.patterns]
+              for head_dim in args.head_dims for seq_len in args.seq_lens for label in args.patterns
+              if not args.decode_only]
     if not args.no_decode:
         shapes += [(f"hd{head_dim} decode {q_len}x{kv_len} B{batch}",
                     functools.partial(run_decode, q_len, kv_len, batch, head_dim, args.hidden))
