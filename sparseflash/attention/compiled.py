@@ -33,7 +33,8 @@ from sparseflash.attention.reference import reference_attention
 from sparseflash.masks import BlockMask, MaskSpec
 from sparseflash.masks.functions import Graph, trace, trained_flags
 
-# layout tensor -> (identities of the other parts, the mask rebuilt from them); dies with the layout
+# layout tensor -> (identities of the other parts, the mask rebuilt from them, where the parts live); dies
+# with the layout
 _MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -92,14 +93,27 @@ def _mask(tensors: list[torch.Tensor], captures: list[torch.Tensor], spec: str, 
     identity = (tuple(id(t) for t in tensors[1:]), tuple(id(t) for t in captures), spec)
     held = _MASKS.get(tensors[0])
     if held is None or held[0] != identity:
+        memory = _memory(tensors, captures, spec)
         if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "a BlockMask met for the first time inside a CUDA graph capture: its tables are derived on the "
-                "host, which a capture cannot wait for. Under torch.compile(mode='reduce-overhead'), give the "
-                "mask by name or as a MaskSpec, or mark its tensors static before the first call: "
-                "for t in mask.parts()[0]: torch._dynamo.mark_static_address(t)")
-        held = _MASKS[tensors[0]] = (identity, BlockMask.from_parts(tensors, captures, spec))
+            # A capture may hand the op other tensor objects over the memory the warm-up call saw (static
+            # tensors): that mask's, held. Anything else would be derived on the host, which a capture cannot
+            # wait for.
+            held = next((entry for entry in _MASKS.values() if entry[2] == memory), None)
+            if held is None:
+                raise RuntimeError(
+                    "a BlockMask met for the first time inside a CUDA graph capture: its tables are derived on "
+                    "the host, which a capture cannot wait for. Under torch.compile(mode='reduce-overhead'), give "
+                    "the mask by name or as a MaskSpec, or mark its tensors static before the first call: "
+                    "for t in (*mask.parts()[0], *mask.parts()[1]): torch._dynamo.mark_static_address(t)")
+            return held[1]
+        held = _MASKS[tensors[0]] = (identity, BlockMask.from_parts(tensors, captures, spec), memory)
     return held[1]
+
+
+def _memory(tensors: list[torch.Tensor], captures: list[torch.Tensor], spec: str) -> tuple:
+    """Where a mask's parts live (addresses, shapes, strides, dtypes) and its spec: what identifies it
+    inside a CUDA graph capture, whose inputs are static there."""
+    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (*tensors, *captures)), spec
 
 
 def _score_graph(captures: list[torch.Tensor], key: str) -> Graph | None:

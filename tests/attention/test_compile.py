@@ -98,33 +98,44 @@ REDUCE_OVERHEAD_CASES = [
     # mask, q_len, kv_len, dim, heads, kv_heads: decoding (split-KV) against a cache, and training steps
     ("dense", 1, 8192, 128, 8, 1),
     ("causal", 2048, 2048, 64, 4, 2),
+    ("causal-persistent", 2048, 2048, 128, 4, 4),  # the persistent forward: its TMA scratch is kept too
     ("butterfly", 1000, 1000, 128, 4, 4),
+    ("document", 1024, 1024, 64, 4, 4),  # a mask_mod capturing document ids
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", REDUCE_OVERHEAD_CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-d{c[3]}")
-def test_gpu_reduce_overhead_cuda_graphs_match_reference(case):
+def test_gpu_reduce_overhead_cuda_graphs_match_reference(case, monkeypatch):
     """``torch.compile(mode="reduce-overhead")`` replays the forward and backward graphs as CUDA graphs, which
     allow no allocation to outlive a call in their memory pool: the masks, plans and tables the op keeps
     are made outside it (``kept_tensors``). Three steps, each with new random inputs copied into the
-    graphs, each against the reference; a mask given by name, or a BlockMask whose tensors are static."""
+    graphs, each against the reference, and no graph skipped; a mask given by name, or a BlockMask whose
+    tensors (and a mask_mod's captured ones) are static."""
     kind, q_len, kv_len, dim, heads, kv_heads = case
-    mask = None if kind == "dense" else kind
-    if kind == "butterfly":  # a BlockMask: its tensors static, so that the graphs read them in place
-        mask = masks.make("butterfly", q_len, block=128, device="cuda")
-        for t in mask.parts()[0]:
+    mask = kind.split("-")[0] if kind.startswith("causal") else None
+    if kind == "causal-persistent":
+        monkeypatch.setenv("SPARSEFLASH_PERSISTENT", "1")
+    if kind in ("butterfly", "document"):  # a BlockMask: its tensors static, so that the graphs read them in place
+        if kind == "butterfly":
+            mask = masks.make("butterfly", q_len, block=128, device="cuda")
+        else:
+            ids = torch.randint(0, 5, (q_len,), device="cuda").sort().values
+            mask = masks.from_mask_mod(lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx], q_len, block=128)
+        for t in (*mask.parts()[0], *mask.parts()[1]):
             torch._dynamo.mark_static_address(t)
 
     def run(q, k, v):
         return sparseflash.attention(q, k, v, mask, return_lse=True)
 
     compiled = torch.compile(run, mode="reduce-overhead", fullgraph=True)
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     for _ in range(3):
         torch.compiler.cudagraph_mark_step_begin()
         q, k, v, do = _inputs(2, heads, kv_heads, q_len, kv_len, dim, torch.bfloat16, "cuda")
         got = _grads(compiled, q, k, v, do, None)
         check_outputs(got, q, k, v, mask, do)
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips  # the steps ran as CUDA graphs
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -217,19 +217,20 @@ def row_view_rows(x: torch.Tensor) -> int | None:
 
 # ---------------------------------------------------------------------------------- launcher
 FORWARD_PERSISTENT = Launcher(_attn_fwd_persistent)
-_SCRATCH: dict[tuple, torch.Tensor] = {}
+_SCRATCH: dict[tuple, list[torch.Tensor]] = {}
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Triton's allocator for the global scratch where the kernel builds its TMA descriptors: one
     buffer per device and stream, kept and grown (launches on one stream run in turn, so they can
-    share it; a fresh allocation cost ~5 µs of host time per launch)."""
+    share it; a fresh allocation cost ~5 µs of host time per launch). A buffer outgrown stays
+    allocated: a CUDA graph captured with it writes there at every replay."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    buffer = _SCRATCH.get((device, stream))
-    if buffer is None or buffer.numel() < size:
-        buffer = _SCRATCH[device, stream] = made_outside_graph_pools(
-            lambda: torch.empty(size, dtype=torch.int8, device=device), torch.device(device))
-    return buffer
+    buffers = _SCRATCH.setdefault((device, stream), [])
+    if not buffers or buffers[-1].numel() < size:
+        buffers.append(made_outside_graph_pools(lambda: torch.empty(size, dtype=torch.int8, device=device),
+                                                torch.device(device)))
+    return buffers[-1]
 
 
 def _scalars(plan, q, k, v, o) -> tuple | None:
