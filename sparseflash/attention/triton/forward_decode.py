@@ -155,7 +155,7 @@ COMBINE_SPLITS = 64  # splits a merge program loads at once
 SPLIT_WAVES = 4  # split until the grid holds this many programs per multiprocessor,
 SPLIT_MIN_TILES = 4  # while each split keeps at least this many key tiles (a split costs a merge),
 MAX_SPLITS = 32  # and into no more than this many: beyond it a share's fixed cost outweighs the parallelism
-# (H100, GPU time of one call: 66-128 splits 6-8 % slower than 32 on the rows that split that much)
+# (H100, GPU time of one call: 66-128 splits 6-9 % slower than 32 on the rows that split that much)
 
 
 def applies(plan: LaunchPlan) -> bool:
