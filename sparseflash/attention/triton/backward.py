@@ -504,8 +504,7 @@ def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk,
                 if grad is not None:
                     grad.zero_()
         (BACKWARD.compile_ahead if ahead else BACKWARD)(
-            grid, tensors, scalars,
-            plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=plan.score_mod_grads))
+            grid, tensors, scalars, plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=plan.score_mod_grads))
     return launch
 
 

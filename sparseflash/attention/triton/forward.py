@@ -118,8 +118,7 @@ def _launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, m
     (FORWARD.compile_ahead if ahead else FORWARD)(
         (cdiv(plan.q_len, cfg.block_m), plan.batch * plan.heads), (q, k, v, o, lse, key_lengths, *tables, mods, seed),
         (*q.stride(), *k.stride(), *v.stride(), *o.stride(), *table_strides, plan.heads, plan.groups,
-         plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale, *dropout_scalars),
-        plan.constexprs(cfg))
+         plan.q_len, plan.kv_len, plan.head_dim, plan.qk_scale, *dropout_scalars), plan.constexprs(cfg))
     return cfg
 
 
@@ -137,8 +136,7 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
     mods = plan.mods_table(list(captures))
     dropout_args = plan.dropout_args(dropout)
     name, launch = _kernel(plan)
-    run_tuned(name, plan.config_key,
-              lambda cfg: launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, dropout_args))
+    run_tuned(name, plan.config_key, lambda cfg: launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, dropout_args))
     return o, lse
 
 
