@@ -51,7 +51,9 @@ PATTERNS = {  # label: (pattern name, make's keyword arguments, score_mod name)
 }
 
 
-DECODE_SHAPES = [(1, 8192, 16), (1, 32768, 8), (4, 32768, 8), (16, 32768, 8), (1, 131072, 2)]  # (q, kv, batch)
+# (q, kv, batch); with 4 query heads per K/V head, 1 and 4 queries make 16-row program groups, 8 and 16 queries
+# 32 and 64 rows (tuning.ConfigKey.decode_rows)
+DECODE_SHAPES = [(1, 8192, 16), (1, 32768, 8), (4, 32768, 8), (8, 32768, 8), (16, 32768, 8), (1, 131072, 2)]
 
 
 def run_decode(q_len: int, kv_len: int, batch: int, head_dim: int, hidden: int) -> list[tuning.Launched]:

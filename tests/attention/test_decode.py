@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sparseflash.attention.score_mods import make_score_mod
-from sparseflash.attention.triton import forward_decode
+from sparseflash.attention.triton import forward_decode, tuning
 from sparseflash.attention.triton.forward_decode import MAX_QUERIES, applies, pack, splits
 from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.attention.triton.tuning import planned
@@ -99,6 +99,25 @@ def test_more_queries_go_to_the_forward():
     assert not applies(LaunchPlan.of(q, k, make("dense", MAX_QUERIES + 1, 4096, block=32), False, 32 ** -0.5))
 
 
+@pytest.mark.parametrize("q_len, heads, kv_heads, kind, rows", [
+    (1, 8, 1, "dense", 16), (4, 16, 4, "causal", 16), (1, 4, 4, "dense", 16), (3, 28, 4, "dense", 32),
+    (16, 32, 8, "butterfly", 64), (16, 16, 1, "dense", 256), (16, 8, 2, "random-per-head", 16)])
+def test_decode_tiles_follow_the_query_rows_sharing_a_kv_head(q_len, heads, kv_heads, kind, rows, monkeypatch):
+    """The tuning key knows how many query rows a program group holds (a GQA group's queries, one head's
+    where the layout differs per head), and groups taller than 16 rows take 64-row tiles first."""
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)  # the GPU's candidates, not the interpreter's tile
+    def mask(q_len):  # mask blocks of 128, which a 64-row tile fits
+        params = dict(heads=heads, density=0.4) if kind.endswith("per-head") else {}
+        return make(kind.removesuffix("-per-head"), q_len, 5000, block=128, **params)
+
+    q, k = torch.randn(2, heads, q_len, 64), torch.randn(2, kv_heads, 5000, 64)
+    key = LaunchPlan.of(q, k, mask(q_len), False, 0.125).config_key
+    assert key.decode_rows == rows
+    assert tuning.candidates("decode", key)[0].block_m == (16 if rows == 16 else 64)
+    more = torch.randn(2, heads, MAX_QUERIES + 1, 64)
+    assert LaunchPlan.of(more, k, mask(MAX_QUERIES + 1), False, 0.125).config_key.decode_rows == 0
+
+
 GPU_CASES = [
     # kind, q_len, kv_len, dim, dtype, gqa, key_lengths, score: decoding against long caches
     ("dense", 1, 32768, 128, torch.bfloat16, True, "cut", None),
@@ -108,6 +127,10 @@ GPU_CASES = [
     ("window", 1, 30000, 128, torch.bfloat16, True, "none", "alibi"),
     ("dense", 1, 32768, 96, torch.bfloat16, True, "cut", None),
     ("dense", 8, 20000, 80, torch.float16, True, "none", None),
+    # program groups of 48 and 36 query rows: 64-row tiles (tuning.DECODE_TALL)
+    ("dense", 12, 30000, 256, torch.bfloat16, True, "cut", None),
+    ("butterfly", 16, 16384, 192, torch.float16, True, "none", None),
+    ("dense", 9, 40000, 64, torch.bfloat16, True, "empty", "softcap"),
 ]
 
 

@@ -21,15 +21,19 @@ walks the same row of the mask's tables: its first.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv, multiprocessors
-from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_head_parts, load_seed,
                                                 row_tile_ranges, second_part_columns, store_head_parts)
 from sparseflash.attention.triton.tuning import KernelConfig
+
+if TYPE_CHECKING:  # plan.py imports this module: it keys the tuning by group_rows
+    from sparseflash.attention.triton.plan import LaunchPlan
 
 MAX_QUERIES = 16  # query rows up to which a forward takes this kernel: no more than a mask block's (>= 16)
 
@@ -166,6 +170,12 @@ def applies(plan: LaunchPlan) -> bool:
 def pack(plan: LaunchPlan) -> int:
     """Heads per program: the GQA group where every head walks the same mask tables, else 1."""
     return plan.groups if plan.layout_heads == 1 else 1
+
+
+def group_rows(plan: LaunchPlan) -> int:
+    """The query rows of a program group (``pack`` heads' queries), rounded up to a power of two >= 16: the
+    tuning key's ``decode_rows``, which decides the query tile."""
+    return max(16, triton.next_power_of_2(pack(plan) * plan.q_len))
 
 
 def splits(plan: LaunchPlan, cfg: KernelConfig, device: torch.device) -> int:

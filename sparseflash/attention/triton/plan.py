@@ -15,7 +15,7 @@ import triton
 
 from sparseflash.attention.dropout import Dropout
 from sparseflash.attention.kept_tensors import made_outside_graph_pools
-from sparseflash.attention.triton import codegen, forward_persistent
+from sparseflash.attention.triton import codegen, forward_decode, forward_persistent
 from sparseflash.attention.triton.launch import Standin, interpreting
 from sparseflash.attention.triton.tuning import ConfigKey, KernelConfig
 from sparseflash.masks import BlockMask, MaskKind, layout_to_tables
@@ -70,7 +70,9 @@ class LaunchPlan:
         mods = "+".join(name for name, on in (("mask", self.mask_mod is not None),
                                               (score, self.score_mod is not None), ("dropout", dropout)) if on)
         first, second = self.head_dim_parts["HEAD_DIM"], self.head_dim_parts["HEAD_DIM2"]
-        self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods, f"{first}+{second}" if second else "")
+        decode_rows = forward_decode.group_rows(self) if forward_decode.applies(self) else 0
+        self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods, f"{first}+{second}" if second else "",
+                                       decode_rows)
         tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
         self._tables = {side: self._tables_of(tables, side) for side in ("kv", "q")}
         self.has_partial_tiles = mask.kind is MaskKind.SPARSE and bool(mask.partial_layout.any())

@@ -9,12 +9,13 @@ A kernel launches with the first config found of:
      memory and on disk. It costs 10-40 s per new key on an H100, which is why it is opt-in;
   4. the shipped table ``config_table.json``: configs tuned on a GPU of the same name, by
      ``scripts/build_config_table.py``, taken from the nearest key (same kernel and head dim; then
-     the fewest differences in mask kind, functions, dtype, block, causal, persistent mode and the
-     two work buckets) whose config is one of the key's candidates;
+     the fewest differences in mask kind, functions, dtype, block, causal, persistent mode, the
+     two work buckets and decoding's rows) whose config is one of the key's candidates;
   5. the first candidate of the kernel's list (a GPU the table does not know).
 The key also holds two log2 buckets of the problem: the loop's trip count (mask blocks per query
 row) and the grid's size (batch x heads x query tiles), since short loops and small grids favour
-other tiles than the long, full ones. Sequence lengths themselves are not specialised on: a new
+other tiles than the long, full ones; and, for decoding, the query rows that share a K/V head,
+which decide the query tile (one query per head wants 16 rows, several want 64). Sequence lengths themselves are not specialised on: a new
 length compiles nothing new, except the first length that the tiles do not divide (or, after one,
 do), for DENSE and CAUSAL: the EVEN_LENGTHS variant (forward.py). Under the interpreter
 (``TRITON_INTERPRET=1``) one small tile is the only candidate: it keeps the CPU tests fast and
@@ -76,23 +77,25 @@ class ConfigKey:
     # work); "score-special" for a score function using exp, log, tanh or sqrt (Graph.uses_special_functions)
     head_dim_parts: str = ""  # a head dim computed as two parts, e.g. "64+32" (plan.head_dim_parts), or ""
     # where the kernels compute it padded
+    decode_rows: int = 0  # decoding (forward_decode.py): the query rows a program group holds (the queries of
+    # the heads sharing a K/V head), rounded up to a power of two >= 16; 0 where the forward is not split-KV
 
     @classmethod
     def of(cls, q: torch.Tensor, mask, padded_dim: int, persistent: str = "", mods: str = "",
-           head_dim_parts: str = "") -> "ConfigKey":
+           head_dim_parts: str = "", decode_rows: int = 0) -> "ConfigKey":
         blocks_per_row = max(1.0, mask.mean_row_blocks)
         tiles = q.shape[0] * q.shape[1] * -(-q.shape[2] // 128)
         return cls(padded_dim, str(q.dtype).removeprefix("torch."), mask.kind.name,
                    tuple(mask.block_size), mask.causal, round(math.log2(blocks_per_row)),
-                   round(math.log2(tiles)), _device_name(q.device), persistent, mods, head_dim_parts)
+                   round(math.log2(tiles)), _device_name(q.device), persistent, mods, head_dim_parts, decode_rows)
 
     @property
     def columns(self) -> int:
         """The head-dim columns the kernel computes: the parts' sum, or the padded head dim."""
         return sum(map(int, self.head_dim_parts.split("+"))) if self.head_dim_parts else self.head_dim
 
-    def __str__(self) -> str:  # head_dim_parts only where set: the disk cache keeps the other keys' names
-        values = [v for name, v in asdict(self).items() if name != "head_dim_parts" or v]
+    def __str__(self) -> str:  # the fields added last only where set: the disk cache keeps the other keys' names
+        values = [v for name, v in asdict(self).items() if name not in ("head_dim_parts", "decode_rows") or v]
         return "|".join(str(v) for v in values) + f"|triton-{triton.__version__}"
 
 
@@ -120,12 +123,13 @@ CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
         192: _configs((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)),
         256: _configs((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
     },
-    # split-KV forward for <= 16 query rows (forward_decode.py): query tiles as small as a dot takes;
-    # streaming K and V bounds its time
+    # split-KV forward for <= 16 query rows (forward_decode.py) where a program group holds 16 of them (one
+    # query, or a few, per head); streaming K and V bounds its time. Taller groups: DECODE_TALL below.
+    # hd128: a 64-row tile (Hopper's warpgroup dot) is within 1.6 % of the best on these rows too (H100)
     "decode": {
-        64: _configs((16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 3), (16, 32, 4, 3)),
-        128: _configs((16, 64, 4, 3), (16, 128, 8, 2), (16, 128, 4, 2), (16, 32, 4, 3)),
-        256: _configs((16, 64, 4, 2), (16, 32, 4, 2)),
+        64: _configs((16, 128, 4, 3), (16, 64, 4, 3), (16, 64, 4, 2), (16, 32, 4, 3)),
+        128: _configs((64, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 4, 2), (16, 32, 4, 3)),
+        256: _configs((16, 64, 4, 3), (64, 32, 4, 3), (16, 64, 4, 2), (16, 32, 4, 2)),
     },
     "dq": {64: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2))},
     "dkdv": {64: _configs((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2))},
@@ -140,6 +144,15 @@ CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
         256: _configs((64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
     },
 }
+# The split-KV forward where a program group holds 32-256 query rows (``ConfigKey.decode_rows``: several
+# queries per head of a GQA group): 64-row tiles, whose products Hopper's warpgroup dot computes (m64), and
+# which stream a K/V head once for 64 rows; 16-row tiles were up to 2.7x slower there (H100, bf16).
+DECODE_TALL: dict[int, list[KernelConfig]] = {
+    64: _configs((64, 64, 4, 3), (64, 64, 4, 2), (32, 128, 4, 2)),
+    128: _configs((64, 64, 4, 3), (64, 64, 4, 2), (32, 128, 4, 2)),
+    256: _configs((64, 32, 4, 3), (64, 32, 4, 2), (64, 64, 4, 2)),
+}
+DECODE_ROWS_SHORT = 16  # decode_rows up to which the "decode" list applies
 # The persistent forward, where the key allows it: 4 warps, the only count Triton's warp
 # specialisation splits among two consumer warpgroups, and 2 stages (3 give NaN under Triton 3.6;
 # docs/kernels.md, "Triton bugs worked around").
@@ -162,7 +175,7 @@ def candidates(kernel: str, key: ConfigKey) -> list[KernelConfig]:
     persistent = key.persistent if kernel == "forward" else ""
     if interpreting():
         return [fit(kernel, KernelConfig(INTERPRETER_TILE, INTERPRETER_TILE, 4, 1, persistent == "only"), key)]
-    table = CANDIDATES[kernel]
+    table = DECODE_TALL if kernel == "decode" and key.decode_rows > DECODE_ROWS_SHORT else CANDIDATES[kernel]
     head_dim = min((d for d in table if d >= key.columns), default=max(table))
     options = {"": table[head_dim], "auto": table[head_dim] + PERSISTENT_FORWARD, "only": PERSISTENT_FORWARD}[persistent]
     return list(dict.fromkeys(fit(kernel, cfg, key) for cfg in options))
@@ -263,6 +276,7 @@ TABLE_PATH = Path(__file__).with_name("config_table.json")
 # persistent: ``from_table`` keeps only the key's candidates).
 MISMATCH_COST = {"kind": 4, "mods": 4, "dtype": 3, "sparse_block": 2, "causal": 2, "persistent": 1}
 SAME_REQUIRED = ("head_dim", "head_dim_parts")
+DECODE_ROWS_COST = 2  # per log2 step of decode_rows: 16 and 64 rows want other tiles (DECODE_TALL)
 
 
 @functools.lru_cache(maxsize=1)
@@ -284,7 +298,8 @@ def key_distance(a: ConfigKey, b: ConfigKey) -> float:
     if a.device != b.device or any(getattr(a, f) != getattr(b, f) for f in SAME_REQUIRED):
         return math.inf
     cost = sum(weight for field, weight in MISMATCH_COST.items() if getattr(a, field) != getattr(b, field))
-    return cost + abs(a.row_work - b.row_work) + abs(a.parallelism - b.parallelism)
+    rows_steps = abs(a.decode_rows.bit_length() - b.decode_rows.bit_length())  # log2 steps (0: no decode key)
+    return cost + abs(a.row_work - b.row_work) + abs(a.parallelism - b.parallelism) + DECODE_ROWS_COST * rows_steps
 
 
 def from_table(kernel: str, key: ConfigKey, options: list[KernelConfig]) -> Optional[KernelConfig]:
