@@ -116,6 +116,20 @@ class Launcher:
         names = self.kernel.arg_names[len(tensors) + len(scalars):]
         self._compiled[key] = compiled, tuple(constexprs[name] for name in names)
 
+    def bound(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict):
+        """After a launch with these arguments: ``launch(tensors)``, which launches the same compiled kernel
+        with the same grid, scalars and constexprs on other tensors without looking it up, for tensors of
+        the dtypes and 16-byte alignment of ``tensors`` (the caller sees to it); None under the interpreter."""
+        if not self._direct:
+            return None
+        compiled, constexpr_values = self._compiled[self._key(tensors, scalars, constexprs)]
+        run = compiled[(*grid, 1, 1)[:3]]
+
+        def launch(tensors: tuple) -> None:
+            run(*tensors, *scalars, *constexpr_values)
+
+        return launch
+
     def compile_ahead(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> None:
         """Start compiling, on a thread of the launcher's, the kernel that a launch with these arguments
         needs (``tensors`` may hold ``Standin``s), unless it is compiled or compiling. The launch waits for

@@ -76,6 +76,8 @@ def triton_attention(q, k, v, mask: BlockMask, key_lengths, scale: float, score_
     score_graph = trace(score_mod, "score_mod") if score_mod is not None else None
     plan = LaunchPlan.of(q, k, mask, key_lengths is not None, scale, score_graph, dropout is not None)
     trained = score_graph.trained if score_graph is not None else []
-    compile_ahead(q, k, v, plan, key_lengths, score_graph,
-                  torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *trained)))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *trained))
+    compile_ahead(q, k, v, plan, key_lengths, score_graph, needs_grad)
+    if not needs_grad:  # no graph to record: the autograd Function would only cost host time (~10 µs a call)
+        return triton_forward(q, k, v, plan, key_lengths, score_graph, dropout)
     return TritonAttentionFunction.apply(q, k, v, plan, key_lengths, score_graph, dropout, *trained)

@@ -71,8 +71,8 @@ class LaunchPlan:
                                               (score, self.score_mod is not None), ("dropout", dropout)) if on)
         first, second = self.head_dim_parts["HEAD_DIM"], self.head_dim_parts["HEAD_DIM2"]
         decode_rows = forward_decode.group_rows(self) if forward_decode.applies(self) else 0
-        self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods, f"{first}+{second}" if second else "",
-                                       decode_rows)
+        self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods,
+                                       f"{first}+{second}" if second else "", decode_rows)
         tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
         self._tables = {side: self._tables_of(tables, side) for side in ("kv", "q")}
         self.has_partial_tiles = mask.kind is MaskKind.SPARSE and bool(mask.partial_layout.any())
