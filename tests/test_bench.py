@@ -320,6 +320,24 @@ def test_bad_cases_are_explained(case, message):
         BenchConfig.from_cfg({"cases": [case]})
 
 
+def test_cuda_graph_timing_takes_forward_modes_only():
+    with pytest.raises(ValueError, match="timing.cuda_graph times forward calls only"):
+        BenchConfig.from_cfg({"modes": ["fwd", "fwdbwd"], "timing": {"cuda_graph": True}})
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_timing_replays_each_backend(tmp_path):
+    """``timing.cuda_graph``: decoding rows (host-bound when called eagerly) timed as CUDA graph replays of
+    sparseflash's kernels, Flex and SDPA, each checked against the reference first."""
+    cases = [{"q_len": 1, "kv_len": 8192, "head_dim": 128, "heads": 8, "kv_heads": 1, "batch": 2},
+             {"q_len": 16, "kv_len": 3000, "head_dim": 64, "heads": 16, "kv_heads": 4, "batch": 2}]
+    rows = run({"cases": cases, "patterns": ["dense"], "modes": ["fwd"], "dtype": "bf16", "device": "cuda",
+                "backends": ["sparseflash-triton", "flex", "sdpa"], "timing": {"rep_ms": 30, "cuda_graph": True},
+                "out_dir": str(tmp_path), "plots": {"enabled": False}})
+    assert len(rows) == 6
+    assert all(r["status"] == "ok" and r["cuda_graph"] and 0 < r["median_ms"] < 1 for r in rows), rows
+
+
 def test_issue_override_line_composes():
     cfg = _compose(["seq_lens=[1024,4096,16384]", "patterns=[dense,causal,butterfly,local]",
                     "backends=[sparseflash,flex,sdpa]", "modes=[fwd,fwdbwd]", "head_dim=128", "dtype=bf16"])

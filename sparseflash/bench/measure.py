@@ -157,18 +157,37 @@ def _attempt(fn: Callable[[], object]) -> object:
         return err
 
 
+def graphed(step: Step) -> Step:
+    """``step`` captured into a CUDA graph (after a call on a side stream, as torch asks), as the graph's
+    replay: the same GPU work without the host's launches."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def time_steps(steps: list[Step], device: torch.device, timing: Timing,
                grads: list[torch.Tensor]) -> list[dict | BaseException]:
     """Median, spread and repeats of each of ``steps`` (the backends of one case and mode, sharing
     the leaves ``grads``) and ``peak_mem_mb`` of one warm call (CUDA); or the exception a step
     raised. On CUDA the steps take turns, ``timing.rounds`` rounds of ``rep_ms / rounds`` each
     (``sparseflash.timing``), so that the GPU's clock drift does not favour one of them; a step
-    slower than ``slow_ms`` gets ``min_repeats`` plain timed calls of its own."""
+    slower than ``slow_ms`` gets ``min_repeats`` plain timed calls of its own. With ``timing.cuda_graph``
+    (CUDA) each step is timed as the replay of its CUDA graph (``graphed``)."""
     if device.type != "cuda":
         times = [_attempt(lambda s=s: _wall_times(s, device, timing, grads)) for s in steps]
         peaks = [math.nan] * len(steps)
     else:
         warm = [_attempt(lambda s=s: _warm_call(s, device, grads)) for s in steps]
+        if timing.cuda_graph:
+            steps = [w if isinstance(w, BaseException) else _attempt(lambda s=s: graphed(s))
+                     for s, w in zip(steps, warm)]
+            warm = [s if isinstance(s, BaseException) else w for s, w in zip(steps, warm)]
         times = [w if isinstance(w, BaseException) else
                  _attempt(lambda s=s: _events(s, timing.min_repeats, grads)) if w[0] > timing.slow_ms else None
                  for s, w in zip(steps, warm)]
@@ -178,7 +197,8 @@ def time_steps(steps: list[Step], device: torch.device, timing: Timing,
         for i, t in zip(turns, taken):
             times[i] = t
         peaks = [math.nan if isinstance(w, BaseException) else w[1] for w in warm]
-    return [t if isinstance(t, BaseException) else {**_stats(t, timing), "peak_mem_mb": peak}
+    timed = {"cuda_graph": True} if timing.cuda_graph and device.type == "cuda" else {}
+    return [t if isinstance(t, BaseException) else {**_stats(t, timing), "peak_mem_mb": peak, **timed}
             for t, peak in zip(times, peaks)]
 
 

@@ -187,6 +187,9 @@ class Timing:
     max_repeats: int = 1000
     slow_ms: float = 1000.0  # a warm call slower than this is timed with min_repeats plain calls
     quantiles: tuple[float, float] = (0.2, 0.8)  # the spread reported beside the median
+    # CUDA, fwd only: time the replay of a CUDA graph of each call, i.e. the GPU's time without the host's
+    # launches, as under torch.compile(mode="reduce-overhead"); a decoding step is host-bound otherwise
+    cuda_graph: bool = False
 
     def __post_init__(self):
         if int(self.rounds) < 1:
@@ -285,6 +288,8 @@ class BenchConfig:
         kw["wandb"] = dict(wandb) if wandb else None
         config = cls(**kw)
         config.shapes()  # a case with heads not a multiple of kv_heads fails here, not mid-sweep
+        if config.timing.cuda_graph and config.modes != ["fwd"]:
+            raise ValueError(f"timing.cuda_graph times forward calls only (modes=[fwd]); got modes={config.modes}")
         return config
 
     def batch_for(self, seq_len: int) -> int:
