@@ -50,7 +50,14 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _built_mask(key: str, q_len: int, kv_len: int, heads: int | None, device: str) -> BlockMask:
-    return made_outside_graph_pools(lambda: MaskSpec.from_key(key).build(q_len, kv_len, heads=heads, device=device),
+    spec = MaskSpec.from_key(key)
+    if spec.pattern in STANDARD_MASKS and torch.device(device).type == "cuda":
+        # a decoding loop over a growing cache meets a new length each step: built on the CPU, where reading
+        # its kind and row density syncs nothing, a standard mask costs the GPU two small copies
+        mask = spec.build(q_len, kv_len, heads=heads)
+        mask.kind, mask.mean_row_blocks  # noqa: B018 (computed and kept by the properties; .to() keeps them)
+        return made_outside_graph_pools(lambda: mask.to(device), torch.device(device))
+    return made_outside_graph_pools(lambda: spec.build(q_len, kv_len, heads=heads, device=device),
                                     torch.device(device))
 
 

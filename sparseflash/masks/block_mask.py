@@ -418,9 +418,13 @@ class BlockMask:
         are: keep them on the device where the attention runs."""
         if torch.device(device) == self.device:
             return self
-        return BlockMask._restore(self.layout.to(device), self.block_size, self.q_len, self.kv_len, self.causal,
-                                  self.mask_mod, self._partial_tiles.to(device),
-                                  None if self._mod_kept is None else self._mod_kept.to(device), self._mask_graph)
+        moved = BlockMask._restore(self.layout.to(device), self.block_size, self.q_len, self.kv_len, self.causal,
+                                   self.mask_mod, self._partial_tiles.to(device),
+                                   None if self._mod_kept is None else self._mod_kept.to(device), self._mask_graph)
+        for name in ("_kind", "_mean_row_blocks"):  # what reading the layout found, on any device
+            if hasattr(self, name):
+                setattr(moved, name, getattr(self, name))
+        return moved
 
     # ------------------------------------------------------------------ parts (what a custom op takes)
     def parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor], str]:

@@ -127,6 +127,37 @@ def test_a_launch_with_no_compile_ahead_of_its_own_waits_for_those_in_flight(lau
     assert not launcher._ahead  # finished compiles are not kept
 
 
+def test_a_bound_launch_runs_the_compiled_kernel_on_new_tensors(launcher):
+    x, y = torch.randn(64), torch.randn(64)
+    _launch(launcher, x, y)
+    bound = launcher.bound((3, 2), (x, y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=32))
+    x2, y2 = torch.randn(64), torch.randn(64)
+    bound((x2, y2))
+    assert launcher.kernel.log[-1] == ("direct", (3, 2, 1), (x2, y2, 64, 0.5, 32, True))
+
+
+def test_no_compile_ahead_where_only_scalars_differ_from_a_launch(launcher):
+    """A decoding loop's new key length each step: the kernel is compiled, a compile ahead would only find
+    it again on another thread (and the launch wait for that)."""
+    x, y = torch.randn(64), torch.randn(64)
+    _launch(launcher, x, y, n=64)
+    launcher.compile_ahead((3, 2), (launch.Standin(torch.float32, (64,)), y), (65, 0.5),
+                           dict(FLAG=True, num_warps=4, BLOCK=32))
+    launcher.compile_ahead((3, 2), (launch.Standin(torch.float32, (64,)), y), (65, 0.5),
+                           dict(FLAG=True, num_warps=4, BLOCK=64))  # another constexpr: compiled ahead
+    launcher._compiler.shutdown(wait=True)
+    assert [entry[4]["BLOCK"] for entry in launcher.kernel.log if entry[0] == "warmup"] == [64]
+
+
+def test_a_launcher_keeps_the_most_recent_launch_keys(launcher, monkeypatch):
+    monkeypatch.setattr(launch, "LAUNCH_KEYS_KEPT", 2)
+    x, y = torch.randn(64), torch.randn(64)
+    for n in (1, 2, 3, 3, 1):
+        _launch(launcher, x, y, n=n)
+    assert len(launcher._compiled) == 2
+    assert [entry[0] for entry in launcher.kernel.log] == ["triton", "triton", "triton", "direct", "triton"]
+
+
 @pytest.mark.parametrize("shape", [(3,), (2, 5, 7), (1, 4, 1, 8)], ids=str)
 def test_a_standin_has_the_layout_of_a_new_tensor(shape):
     standin, tensor = launch.Standin(torch.bfloat16, shape), torch.empty(shape, dtype=torch.bfloat16)

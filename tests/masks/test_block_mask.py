@@ -310,6 +310,18 @@ def test_to_device():
     assert mask.tables().full_kv_indices.device.type == "cpu"
 
 
+def test_a_move_keeps_what_reading_the_layout_found():
+    """``kind`` and ``mean_row_blocks`` read the layout (a device sync on a GPU); a moved mask keeps them,
+    so a mask built on the CPU and moved reads nothing on its device (a meta layout cannot be read)."""
+    for name in ("causal", "butterfly"):
+        mask = make(name, 300, block=32)
+        kind, row_blocks = mask.kind, mask.mean_row_blocks
+        moved = mask.to("meta")
+        assert moved.kind is kind and moved.mean_row_blocks == row_blocks
+    with pytest.raises((RuntimeError, NotImplementedError)):  # not read before the move: the meta layout is read
+        make("causal", 300, block=32).to("meta").mean_row_blocks  # noqa: B018
+
+
 @pytest.mark.gpu
 def test_to_cuda_round_trip():
     mask = make("bigbird", 300, block=32, heads=2)

@@ -41,6 +41,8 @@ def cdiv(a: int, b: int) -> int:
 # dQ kernels below head_dim 128 (backward.py). One after the other they made a first call ~1.3 s longer.
 AHEAD_THREADS = 2
 
+LAUNCH_KEYS_KEPT = 4096  # launch keys a Launcher keeps, the most recent (a key holds every scalar's value)
+
 INTERPRETER_MULTIPROCESSORS = 3  # what the kernels size their grids by under the interpreter
 
 
@@ -80,6 +82,7 @@ class Launcher:
         self.kernel = kernel
         self._direct = isinstance(kernel, JITFunction)
         self._compiled: dict[tuple, tuple[CompiledKernel, tuple]] = {}
+        self._variants: set[tuple] = set()  # the keys of _compiled without their scalars (_variant)
         self._compiler: ThreadPoolExecutor | None = None
         self._ahead: dict[tuple, Future] = {}  # compiles ahead, by the key of the launch they serve
 
@@ -92,6 +95,12 @@ class Launcher:
         # is unchanged.
         return (driver.active.get_current_device(), tuple(constexprs.items()), scalars,
                 *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+
+    @staticmethod
+    def _variant(key: tuple) -> tuple:
+        """``key`` without the scalars' values: launches that differ only there (a decoding loop's growing
+        key length) are mostly one Triton specialisation, which a compile ahead would only look up again."""
+        return key[:2] + key[3:]
 
     def __call__(self, grid: tuple[int, ...], tensors: tuple[torch.Tensor, ...], scalars: tuple,
                  constexprs: dict) -> None:
@@ -114,7 +123,10 @@ class Launcher:
         self._ahead = {k: future for k, future in self._ahead.items() if not future.done()}
         compiled = self.kernel[grid](*tensors, *scalars, **constexprs)
         names = self.kernel.arg_names[len(tensors) + len(scalars):]
+        if len(self._compiled) >= LAUNCH_KEYS_KEPT:  # the oldest goes (a new length each step would grow it
+            del self._compiled[next(iter(self._compiled))]  # without end); it costs a launch through Triton
         self._compiled[key] = compiled, tuple(constexprs[name] for name in names)
+        self._variants.add(self._variant(key))
 
     def bound(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict):
         """After a launch with these arguments: ``launch(tensors)``, which launches the same compiled kernel
@@ -137,7 +149,7 @@ class Launcher:
         if not self._direct:
             return
         key = self._key(tensors, scalars, constexprs)
-        if key in self._compiled or key in self._ahead:
+        if key in self._compiled or key in self._ahead or self._variant(key) in self._variants:
             return
         if self._compiler is None:
             self._compiler = ThreadPoolExecutor(max_workers=AHEAD_THREADS, thread_name_prefix="sparseflash-compile")

@@ -95,7 +95,8 @@ class LaunchPlan:
         self.score_keys = helpers.score_keys if helpers else None
         self.score_row = helpers.score_row if helpers else None
         self.score_mod_grads = helpers.score_mod_grads if helpers else None
-        self._mods_tables: dict[tuple, torch.Tensor] = {}
+        # the table without captured tensors made with the plan (on the thread that keeps it out of graph pools)
+        self._mods_tables: dict[tuple, torch.Tensor] = {(): codegen.mods_table([], [], self._placeholder.device)}
 
     @staticmethod
     def _loads_per_score(mask: BlockMask, score_graph: Graph | None) -> bool:

@@ -15,9 +15,10 @@ A kernel launches with the first config found of:
 The key also holds two log2 buckets of the problem: the loop's trip count (mask blocks per query
 row) and the grid's size (batch x heads x query tiles), since short loops and small grids favour
 other tiles than the long, full ones; and, for decoding, the query rows that share a K/V head,
-which decide the query tile (one query per head wants 16 rows, several want 64). Sequence lengths themselves are not specialised on: a new
-length compiles nothing new, except the first length that the tiles do not divide (or, after one,
-do), for DENSE and CAUSAL: the EVEN_LENGTHS variant (forward.py). Under the interpreter
+which decide the query tile (one query per head wants 16 rows, several want 64). Sequence lengths
+themselves are not specialised on: a new length compiles nothing new, except the first length that
+the tiles do not divide (or, after one, do), for DENSE and CAUSAL: the EVEN_LENGTHS variant
+(forward.py). Under the interpreter
 (``TRITON_INTERPRET=1``) one small tile is the only candidate: it keeps the CPU tests fast and
 exercises several tiles per mask block.
 
