@@ -106,6 +106,7 @@ def test_decode_tiles_follow_the_query_rows_sharing_a_kv_head(q_len, heads, kv_h
     """The tuning key knows how many query rows a program group holds (a GQA group's queries, one head's
     where the layout differs per head), and groups taller than 16 rows take 64-row tiles first."""
     monkeypatch.setattr(tuning, "interpreting", lambda: False)  # the GPU's candidates, not the interpreter's tile
+
     def mask(q_len):  # mask blocks of 128, which a 64-row tile fits
         params = dict(heads=heads, density=0.4) if kind.endswith("per-head") else {}
         return make(kind.removesuffix("-per-head"), q_len, 5000, block=128, **params)
@@ -127,7 +128,7 @@ GPU_CASES = [
     ("window", 1, 30000, 128, torch.bfloat16, True, "none", "alibi"),
     ("dense", 1, 32768, 96, torch.bfloat16, True, "cut", None),
     ("dense", 8, 20000, 80, torch.float16, True, "none", None),
-    # program groups of 48 and 36 query rows: 64-row tiles (tuning.DECODE_TALL)
+    # program groups of 48, 64 and 36 query rows: 64-row tiles (tuning.DECODE_TALL)
     ("dense", 12, 30000, 256, torch.bfloat16, True, "cut", None),
     ("butterfly", 16, 16384, 192, torch.float16, True, "none", None),
     ("dense", 9, 40000, 64, torch.bfloat16, True, "empty", "softcap"),
