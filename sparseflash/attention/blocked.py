@@ -177,7 +177,10 @@ def _backward(q, k, v, o, lse, do, dlse, mask: BlockMask, key_lengths, scale, sc
         delta = delta - dlse.float()
     pad = n_q * block_m - q_len
     delta = torch.nn.functional.pad(delta, (0, pad)).view(batch, heads * n_q, block_m)
-    lse_blk = torch.nn.functional.pad(_finite(lse, float("inf")), (0, pad)).view(batch, heads * n_q, block_m)
+    # rows without a kept score, and the padding rows past q_len (whose scores a score function may push past
+    # exp's range: inf * 0 would be NaN), get lse = inf, hence p = 0
+    lse_blk = torch.nn.functional.pad(_finite(lse, float("inf")), (0, pad), value=float("inf"))
+    lse_blk = lse_blk.view(batch, heads * n_q, block_m)
     dq = torch.zeros(batch, heads * n_q, block_m, dim, device=q.device)
     dk = torch.zeros(batch, kv_heads * n_kv, block_n, dim, device=q.device)
     dv = torch.zeros_like(dk)

@@ -187,6 +187,15 @@ def test_separable_score_function_through_o_and_lse(case, key_table, backend):
     _check_separable(case, backend, "cpu", key_table)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_blocked_backward_ignores_padding_rows_a_score_function_pushes_past_exp(dtype):
+    """5 queries in a 16-row block: the blocked backward's padding rows see the last query's position, and a
+    score function adding 100 there once made exp(s - lse) inf on them and their gradients inf * 0 = NaN."""
+    q, k, v, do = _inputs(2, 2, 2, 5, 40, 16, dtype)
+    check_backend("blocked", q, k, v, masks.make("dense", 5, 40, block=16), do, None,
+                  score_mod=lambda score, b, h, q_idx, kv_idx: score + 100.0)
+
+
 def _check_separable(case, backend, device, key_table, batch=2, heads=4):
     q_len, kv_len, dim, dtype, gqa, key_lengths, compiler = case
     torch._dynamo.reset()
