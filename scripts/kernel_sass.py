@@ -55,7 +55,7 @@ def compile_variant(spec: str):
     elif kernel == "dec":
         constants.update(PACK=4, SPLIT=True)
     elif kernel != "fwd":
-        constants.update(PROGRAMS=PROGRAMS[kernel], SCORE_MOD_GRADS=None)
+        constants.update(PROGRAMS=PROGRAMS[kernel], SCORE_MOD_GRADS=None, QUERY_ROWS=kernel != "dq" and bn > bm)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:

@@ -267,3 +267,28 @@ def check_backend(backend, q, k, v, mask, do, key_lengths=None, *, scale=None, d
                                compiler=compiler, dropout=dropout)
     check_outputs(got, q, k, v, mask, do, key_lengths, scale=scale, dlse=dlse, score_mod=score_mod, dropout=dropout)
     return got
+
+
+def dkdv_query_rows(monkeypatch) -> None:
+    """For the rest of the test, the backward's dK/dV programs (their own launch or the fused one) hold 16
+    keys and stream 32 queries (as far as the mask blocks allow), so that their score tiles have the
+    queries along the rows (backward.py, QUERY_ROWS), where the interpreter's square tile keeps the keys
+    there; the other kernels keep their configs. Choices made meanwhile are dropped after the test."""
+    from sparseflash.attention.triton import tuning
+
+    original = tuning.candidates
+
+    def candidates(kernel, key):
+        if kernel in ("dkdv", "backward"):
+            return [tuning.fit(kernel, tuning.KernelConfig(16, 32, 4, 1), key)]
+        return original(kernel, key)
+
+    monkeypatch.setattr(tuning, "_chosen", {})
+    monkeypatch.setattr(tuning, "candidates", candidates)
+
+
+def assert_dkdv_query_rows(launched) -> None:
+    """The dK/dV programs of the recorded launches (``tuning.recording()``) streamed more queries than
+    they held keys."""
+    configs = [entry.config for entry in launched if entry.kernel in ("dkdv", "backward")]
+    assert configs and all(cfg.block_n > cfg.block_m for cfg in configs), f"dK/dV configs {configs}"

@@ -339,6 +339,7 @@ GPU_CASES = [
     ("alibi-causal", 777, 777, 64, torch.bfloat16, True, True, 0.1),
     ("decode-dense", 4, 4096, 128, torch.bfloat16, True, True, 0.1),
     ("causal", 1000, 1000, 96, torch.bfloat16, True, True, 0.1),
+    ("causal", 1000, 1000, 256, torch.bfloat16, True, True, 0.1),  # dK/dV score tiles query-major (QUERY_ROWS)
 ]
 
 

@@ -13,7 +13,7 @@ import torch
 from sparseflash import masks
 from sparseflash.attention.score_mods import make_score_mod
 from sparseflash.masks.functions import trace
-from tests.helpers import attention_with_grads, check_backend
+from tests.helpers import assert_dkdv_query_rows, attention_with_grads, check_backend, dkdv_query_rows
 
 BACKENDS = ["blocked", "triton"]
 
@@ -132,6 +132,19 @@ def _check(case, backend, device, batch=2, heads=4):
 @pytest.mark.parametrize("case", CPU_CASES, ids=_case_id)
 def test_mods_match_reference(case, backend):
     _check(case, backend, "cpu")
+
+
+@pytest.mark.parametrize("case", [case for case in CPU_CASES if case[0] in (
+    "sliding-causal", "document-lengths", "empty-rows", "alibi-causal", "relative-bias-window")], ids=_case_id)
+def test_mods_with_dkdv_score_tiles_query_major_match_reference(case, monkeypatch):
+    """Mask and score functions, a captured table's gradient and empty rows where the dK/dV programs
+    compute their score tiles with the queries along the rows (backward.py, QUERY_ROWS)."""
+    from sparseflash.attention.triton import tuning
+
+    dkdv_query_rows(monkeypatch)
+    with tuning.recording() as launched:
+        _check(case, "triton", "cuda" if torch.cuda.is_available() else "cpu")
+    assert_dkdv_query_rows(launched)
 
 
 def test_learnable_bias_gets_its_gradient_on_every_backend():

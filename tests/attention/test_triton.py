@@ -13,7 +13,7 @@ from sparseflash.attention.score_mods import make_score_mod
 from sparseflash.attention.triton.plan import head_dim_parts
 from sparseflash.masks import make
 from tests.helpers import REL_TOL as TOL
-from tests.helpers import assert_close, attention_with_grads, check_backend
+from tests.helpers import assert_close, assert_dkdv_query_rows, attention_with_grads, check_backend, dkdv_query_rows
 
 
 def _mask(kind: str, q_len: int, kv_len: int, heads: int):
@@ -122,6 +122,29 @@ def _case_id(case) -> str:
 @pytest.mark.parametrize("case", CPU_CASES, ids=_case_id)
 def test_triton_matches_reference(case):
     _compare(*case, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+QUERY_ROWS_CASES = [  # mask blocks of at least 16 keys x 32 queries, so that the pinned tiles stay uneven
+    ("causal", 111, 111, 64, torch.bfloat16, True, "cut"),
+    ("local-causal", 130, 63, 8, torch.bfloat16, False, True),
+    ("butterfly", 63, 130, 64, torch.float16, True, True),
+    ("dense", 63, 63, 40, torch.float32, False, False),
+    ("empty-rows", 100, 100, 8, torch.float16, False, False),
+    ("causal", 111, 111, 96, torch.bfloat16, True, False),  # 64 + 32 columns: the fused backward
+    ("causal", 70, 70, 200, torch.bfloat16, True, True),  # padded to 256 columns: dK/dV and dQ launches
+]
+
+
+@pytest.mark.parametrize("case", QUERY_ROWS_CASES, ids=_case_id)
+def test_dkdv_score_tiles_with_queries_along_rows_match_reference(case, monkeypatch):
+    """dK/dV programs that stream more queries than they hold keys compute their score tiles query-major
+    (QUERY_ROWS, the head-dim-256 configs on a GPU): every mask kind, GQA, ragged and cut key lengths."""
+    from sparseflash.attention.triton import tuning
+
+    dkdv_query_rows(monkeypatch)
+    with tuning.recording() as launched:
+        _compare(*case, device="cuda" if torch.cuda.is_available() else "cpu")
+    assert_dkdv_query_rows(launched)
 
 
 def test_forward_head_dim_parts():
@@ -322,12 +345,12 @@ def test_gpu_padded_head_dims(pattern, dim):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel, dim", [("forward", 96), ("forward", 160), ("forward", 200), ("backward", 96),
-                                         ("backward", 160), ("backward", 200)], ids=lambda x: str(x))
+                                         ("backward", 160), ("dkdv", 200), ("dq", 200)], ids=lambda x: str(x))
 @pytest.mark.parametrize("pattern", ["dense", "causal"])
 def test_gpu_every_candidate_of_the_wide_head_dims(pattern, kernel, dim):
     """Each candidate config of ``kernel`` (a tuner may pick any of them), pinned in turn, against the
-    reference: the lists of 96 columns (64 + 32), 192 (160 as 128 + 32) and 256 (200, padded); GQA, a
-    ragged length."""
+    reference: the lists of 96 columns (64 + 32), 192 (160 as 128 + 32) and 256 (200, padded: the dK/dV
+    and dQ launches); GQA, a ragged length."""
     from sparseflash.attention.triton import tuning
     from sparseflash.attention.triton.plan import LaunchPlan
 

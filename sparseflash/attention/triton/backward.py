@@ -7,6 +7,7 @@ SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_L
             both sides of the mask blocks);
   HAS_DLSE  the loss also depends on lse: d lse / d s = p, so delta becomes rowsum(o * do) - dlse.
   PROGRAMS  0: both kinds of program in one launch; 1: only dK/dV; 2: only dQ.
+  QUERY_ROWS  the dK/dV programs' score tiles have the queries along the rows (below).
   MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW  as in forward.py; the backward scales dS by SCORE_MOD's
             derivative, and takes SCORE_ROW's term of each query tile off the lse it subtracts.
   DROPOUT   as in forward.py: the same scores are dropped again (``tiles.dropout_kept_tile``); dV takes
@@ -23,10 +24,15 @@ dP' is the gradient of the undropped probabilities, since o already holds the ke
   their p is 0. Both are (B * H, stats_stride) with stats_stride = q_len rounded up to 16.
 - _attn_bwd: two kinds of program in each row of the grid (one row per batch and key/value head),
   so the dQ programs of a head run next to its dK/dV programs and share K, V, Q and dO in L2; under
-  head_dim 128 they go in two launches instead (FUSED_FROM_HEAD_DIM):
+  head_dim 128 and at 256 columns they go in two launches instead (FUSED_FROM_HEAD_DIM,
+  SPLIT_FROM_COLUMNS):
   - dK/dV: one program per key tile; it walks the column tables (or the DENSE / CAUSAL ranges) of
     every query head of its GQA group, so nothing is accumulated across programs. Keys past
-    key_lengths[b] get zero gradients at the store.
+    key_lengths[b] get zero gradients at the store. Its score tiles have the keys along the rows, or
+    the queries where it streams more queries than it holds keys (QUERY_ROWS): Triton spreads the
+    warps of a product whose result feeds another product over its rows only, and a tile of 64 rows
+    on 8 warps is then computed twice, once per warpgroup (64 keys at head_dim 256, where 128 keys'
+    dK and dV do not fit in registers).
   - dQ: one program per query tile of each query head of the group, walking the same row ranges
     as the forward.
 """
@@ -107,6 +113,43 @@ def _col_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, start_n, n_q_
 
 
 @triton.jit
+def _along_queries(x, QUERY_ROWS: tl.constexpr):
+    """A vector over a dK/dV score tile's queries, shaped to broadcast against the tile."""
+    if QUERY_ROWS:
+        return x[:, None]
+    else:
+        return x[None, :]
+
+
+@triton.jit
+def _along_keys(x, QUERY_ROWS: tl.constexpr):
+    """A vector over a dK/dV score tile's keys, shaped to broadcast against the tile."""
+    if QUERY_ROWS:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def _key_query_products(keys, queries, acc, QUERY_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        WIDEN_DOTS: tl.constexpr):
+    """``acc + keys @ queries^T`` (keys along the rows), or its transpose with QUERY_ROWS."""
+    if QUERY_ROWS:
+        return mma(queries, tl.trans(keys), acc, DOT_PRECISION, WIDEN_DOTS)
+    else:
+        return mma(keys, tl.trans(queries), acc, DOT_PRECISION, WIDEN_DOTS)
+
+
+@triton.jit
+def _keys_first(x, QUERY_ROWS: tl.constexpr):
+    """A score tile with its keys along the rows, the left operand of dK's and dV's products."""
+    if QUERY_ROWS:
+        return tl.trans(x)
+    else:
+        return x
+
+
+@triton.jit
 def _dkdv_tiles(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, LSE2, DELTA, row_off,
                 stride_qm, stride_qd, stride_dom, stride_dod, t_lo, t_hi, idx_ptr,
                 start_n, offs_n, offs_d, offs_d2, q_len, kv_len, kv_bound, head_dim, qk_scale, b, h, MODS,
@@ -115,15 +158,16 @@ def _dkdv_tiles(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, LSE2, DELTA, ro
                 APPLY_MASK_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
                 SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr, DROPOUT: tl.constexpr,
                 BLOCK_M: tl.constexpr, SPARSE_BLOCK_M: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr):
-    """Accumulate dK, dV of one key tile over query tiles t_lo..t_hi-1 (transposed scores); with
+                DOT_PRECISION: tl.constexpr, WIDEN_DOTS: tl.constexpr, QUERY_ROWS: tl.constexpr):
+    """Accumulate dK, dV of one key tile over query tiles t_lo..t_hi-1 (score tiles with the keys along
+    the rows, or the queries with QUERY_ROWS); with
     HEAD_DIM2 also the second part's dK2, dV2 of k2, v2 (columns offs_d2; all unused otherwise).
     APPLY_ROW_BOUND: the tiles may hold rows past q_len (loaded as zeros, lse +inf). Keys past
     kv_bound are not masked here (their gradients are zeroed at the store), except for the gradients
     of the score function's captured tensors. With DROPOUT, dV is left unscaled (the caller scales it).
     """
     offs_m0 = tl.arange(0, BLOCK_M)
-    keys = key_steps(b, h, (offs_n - start_n)[:, None], MODS, SCORE_KEYS)
+    keys = key_steps(b, h, _along_keys(offs_n - start_n, QUERY_ROWS), MODS, SCORE_KEYS)
     block = listed_block(idx_ptr, t_lo, t_hi, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M)
     for t in range(t_lo, t_hi):
         q_start = tile_start(t, block, FROM_TABLE, BLOCK_M, SPARSE_BLOCK_M)
@@ -140,44 +184,49 @@ def _dkdv_tiles(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, LSE2, DELTA, ro
         lse, delta = _load_row_stats(LSE2, DELTA, row_off, offs_m, q_len, APPLY_ROW_BOUND)
         if SCORE_ROW is not None:  # the scores are taken at reference query q_start (codegen.py)
             lse -= row_term(b, h, tl.minimum(offs_m, q_len - 1), q_start, kv_len, MODS, SCORE_ROW)
-        qk_t = mma(k, tl.trans(q), None, DOT_PRECISION, WIDEN_DOTS)  # (BN, BM)
+        qk_t = _key_query_products(k, q, None, QUERY_ROWS, DOT_PRECISION, WIDEN_DOTS)  # (BN, BM) or (BM, BN)
         if HEAD_DIM2 > 0:
             rows_in = offs_m[:, None] < q_len
             q2 = load_part(q_base + offs_m[:, None] * stride_qm, stride_qd, rows_in, offs_d2, head_dim,
                            APPLY_ROW_BOUND or D_PADDED)
             do2 = load_part(do_base + offs_m[:, None] * stride_dom, stride_dod, rows_in, offs_d2, head_dim,
                             APPLY_ROW_BOUND or D_PADDED)
-            qk_t = mma(k2, tl.trans(q2), qk_t, DOT_PRECISION, WIDEN_DOTS)
-        q_idx, kv_idx = mod_positions(offs_m[None, :], offs_n[:, None], q_len, kv_len)
+            qk_t = _key_query_products(k2, q2, qk_t, QUERY_ROWS, DOT_PRECISION, WIDEN_DOTS)
+        rows, cols = _along_queries(offs_m, QUERY_ROWS), _along_keys(offs_n, QUERY_ROWS)
+        q_idx, kv_idx = mod_positions(rows, cols, q_len, kv_len)
         s_t, d_score = modded_scores(qk_t, b, h, q_idx, kv_idx, q_start, start_n, keys, qk_scale, MODS, SCORE_MOD,
                                      SCORE_KEYS)
         if APPLY_CAUSAL or APPLY_MASK_MOD:
             if APPLY_CAUSAL:
-                keep = offs_m[None, :] >= offs_n[:, None]
+                keep = rows >= cols
                 if APPLY_MASK_MOD:
                     keep = keep & MASK_MOD(b, h, q_idx, kv_idx, MODS)
             else:
                 keep = MASK_MOD(b, h, q_idx, kv_idx, MODS)
             s_t = tl.where(keep, s_t, float("-inf"))
-        p_t = tl.math.exp2(s_t - lse[None, :])
+        p_t = tl.math.exp2(s_t - _along_queries(lse, QUERY_ROWS))
         if DROPOUT:
-            kept_t = dropout_kept_tile(seed, drop_row, start_n, q_start, drop_threshold, offs_n.shape[0], BLOCK_M,
-                                       False)
-            p_kept = tl.where(kept_t, p_t, 0.0).to(do.dtype)
+            if QUERY_ROWS:
+                kept_t = dropout_kept_tile(seed, drop_row, q_start, start_n, drop_threshold, BLOCK_M,
+                                           offs_n.shape[0], True)
+            else:
+                kept_t = dropout_kept_tile(seed, drop_row, start_n, q_start, drop_threshold, offs_n.shape[0],
+                                           BLOCK_M, False)
+            p_kept = _keys_first(tl.where(kept_t, p_t, 0.0).to(do.dtype), QUERY_ROWS)
         else:
-            p_kept = p_t.to(do.dtype)
+            p_kept = _keys_first(p_t.to(do.dtype), QUERY_ROWS)
         dv = mma(p_kept, do, dv, DOT_PRECISION, WIDEN_DOTS)
-        dp_t = mma(v, tl.trans(do), None, DOT_PRECISION, WIDEN_DOTS)
+        dp_t = _key_query_products(v, do, None, QUERY_ROWS, DOT_PRECISION, WIDEN_DOTS)
         if HEAD_DIM2 > 0:
             dv2 = mma(p_kept, do2, dv2, DOT_PRECISION, WIDEN_DOTS)
-            dp_t = mma(v2, tl.trans(do2), dp_t, DOT_PRECISION, WIDEN_DOTS)
+            dp_t = _key_query_products(v2, do2, dp_t, QUERY_ROWS, DOT_PRECISION, WIDEN_DOTS)
         if DROPOUT:
             dp_t = tl.where(kept_t, dp_t * drop_scale, 0.0)
-        ds_t = p_t * (dp_t - delta[None, :])
+        ds_t = p_t * (dp_t - _along_queries(delta, QUERY_ROWS))
         if SCORE_MOD_GRADS is not None:  # keys past kv_bound must add nothing to the captured tensors
-            SCORE_MOD_GRADS(tl.where(offs_n[:, None] < kv_bound, ds_t, 0.0), qk_t * (qk_scale * 0.6931471805599453),
+            SCORE_MOD_GRADS(tl.where(cols < kv_bound, ds_t, 0.0), qk_t * (qk_scale * 0.6931471805599453),
                             b, h, q_idx, kv_idx, MODS)
-        ds_t = (ds_t * d_score).to(q.dtype)
+        ds_t = _keys_first((ds_t * d_score).to(q.dtype), QUERY_ROWS)
         dk = mma(ds_t, q, dk, DOT_PRECISION, WIDEN_DOTS)
         if HEAD_DIM2 > 0:
             dk2 = mma(ds_t, q2, dk2, DOT_PRECISION, WIDEN_DOTS)
@@ -202,6 +251,7 @@ def _dkdv_program(
     HEAD_DIM: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
     SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr, DROPOUT: tl.constexpr,
+    QUERY_ROWS: tl.constexpr,
 ):
     """dK, dV of key tile ``key_tile`` (BLOCK_N keys) of key/value head hk, batch b."""
     tl.static_assert(SPARSE_BLOCK_M % BLOCK_M == 0, "BLOCK_M must divide SPARSE_BLOCK_M")
@@ -255,7 +305,7 @@ def _dkdv_program(
             seed, drop_row, dropout_threshold, dropout_scale,
             WALK_TABLES, False, FULL_ROWS_BOUNDED, False, MASK_MOD, SCORE_MOD, SCORE_KEYS,
             SCORE_ROW, SCORE_MOD_GRADS, DROPOUT, BLOCK_M, SPARSE_BLOCK_M, HEAD_DIM2, D_PADDED, DOT_PRECISION,
-            WIDEN_DOTS)
+            WIDEN_DOTS, QUERY_ROWS)
         if part_hi > part_lo:
             dk, dk2, dv, dv2 = _dkdv_tiles(
                 dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, LSE2, DELTA, row_off,
@@ -264,7 +314,7 @@ def _dkdv_program(
                 seed, drop_row, dropout_threshold, dropout_scale,
                 WALK_TABLES, IS_CAUSAL, not EVEN_LENGTHS, MASK_MOD is not None, MASK_MOD,
                 SCORE_MOD, SCORE_KEYS, SCORE_ROW, SCORE_MOD_GRADS, DROPOUT, BLOCK_M, SPARSE_BLOCK_M, HEAD_DIM2,
-                D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+                D_PADDED, DOT_PRECISION, WIDEN_DOTS, QUERY_ROWS)
     visible = offs_n[:, None] < kv_bound  # masked keys get exactly zero gradient
     dk = tl.where(visible, dk * scale, 0.0)
     if DROPOUT:
@@ -412,7 +462,7 @@ def _attn_bwd(
     HEAD_DIM: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
     SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr, SCORE_MOD_GRADS: tl.constexpr,
-    PROGRAMS: tl.constexpr,
+    PROGRAMS: tl.constexpr, QUERY_ROWS: tl.constexpr,
 ):
     """Grid (key tiles + groups x query tiles, batch x kv_heads): the first programs of a row are
     dK/dV programs (BLOCK_M keys held, BLOCK_N queries streamed), the rest dQ programs of the
@@ -437,7 +487,7 @@ def _attn_bwd(
             seed, dropout_threshold, dropout_scale,
             MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_N, BLOCK_M, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
             HEAD_DIM, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS, MASK_MOD, SCORE_MOD, SCORE_KEYS,
-            SCORE_ROW, SCORE_MOD_GRADS, DROPOUT)
+            SCORE_ROW, SCORE_MOD_GRADS, DROPOUT, QUERY_ROWS)
     else:
         if PROGRAMS == 0:
             tile -= n_key_tiles
@@ -460,17 +510,20 @@ def _attn_bwd(
 
 # ---------------------------------------------------------------------------------- launcher
 PREPROCESS_BLOCK_M = 64
-# One launch for both kinds of program from this padded head dim on; below it, two launches, so
-# that each kind gets its own warps (H100, head_dim 64: dK/dV wants 8 warps, dQ 4, and one launch
-# made the dense fwd+bwd rows 9-22% slower; docs/kernels.md, "The backward").
+# One launch for both kinds of program from padded head dim 128 on, up to 256 columns computed; elsewhere
+# two launches, so that each kind gets its own warps and tiles (H100, head_dim 64: dK/dV wants 8 warps,
+# dQ 4, and one launch made the dense fwd+bwd rows 9-22% slower; 256 columns: dK/dV holds 64 keys and
+# streams 128 queries, dQ holds 128 queries and streams 32 keys; docs/kernels.md, "The backward").
 FUSED_FROM_HEAD_DIM = 128
+SPLIT_FROM_COLUMNS = 256
 PREPROCESS = Launcher(_bwd_preprocess)
 BACKWARD = Launcher(_attn_bwd)
 
 
 def _kernels(plan: LaunchPlan) -> list[tuple[str, int]]:
     """The tuned kernels of a backward and their PROGRAMS flags: one launch, or dK/dV then dQ."""
-    return [("backward", 0)] if plan.padded_dim >= FUSED_FROM_HEAD_DIM else [("dkdv", 1), ("dq", 2)]
+    fused = plan.padded_dim >= FUSED_FROM_HEAD_DIM and plan.config_key.columns < SPLIT_FROM_COLUMNS
+    return [("backward", 0)] if fused else [("dkdv", 1), ("dq", 2)]
 
 
 def _preprocess(plan: LaunchPlan, o, do, lse, dlse, delta, lse2, stats_stride: int, ahead: bool = False) -> None:
@@ -504,7 +557,8 @@ def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk,
                 if grad is not None:
                     grad.zero_()
         (BACKWARD.compile_ahead if ahead else BACKWARD)(
-            grid, tensors, scalars, plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=plan.score_mod_grads))
+            grid, tensors, scalars, plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=plan.score_mod_grads,
+                                                    QUERY_ROWS=programs != 2 and cfg.block_n > cfg.block_m))
     return launch
 
 

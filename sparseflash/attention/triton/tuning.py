@@ -132,8 +132,14 @@ CANDIDATES: dict[str, dict[int, list[KernelConfig]]] = {
         128: _configs((64, 64, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 4, 2), (16, 32, 4, 3)),
         256: _configs((16, 64, 4, 3), (64, 32, 4, 3), (16, 64, 4, 2), (16, 32, 4, 2)),
     },
-    "dq": {64: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2))},
-    "dkdv": {64: _configs((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2))},
+    "dq": {64: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)),
+           # 128 queries on 8 warps: a 64-row tile's scores are computed by both warpgroups (backward.py);
+           # 2.1x the fused backward's 64x64/w8/s2 on dQ (H200, dense S=4096)
+           256: _configs((128, 32, 8, 3), (128, 64, 8, 1), (128, 32, 8, 2))},
+    "dkdv": {64: _configs((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)),
+             # 64 keys (128 keys' dK and dV spill) and 128 queries, the scores query-major (QUERY_ROWS):
+             # 1.8-1.9x 64x64/w8/s2 (H200, dense and causal S=4096); one stage: two need 337 KB of shared memory
+             256: _configs((64, 128, 8, 1), (64, 32, 8, 3), (64, 64, 8, 2))},
     "backward": {
         # 80 and 96 columns: 64x64 tiles with 4 warps, 8 % ahead of 128x64/w8 (H200)
         96: _configs((64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3)),
