@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 from sparseflash.attention.score_mods import make_score_mod
 from sparseflash.attention.triton import backward, codegen, forward, forward_decode, forward_persistent
 from sparseflash.attention.triton.plan import head_dim_parts
+from sparseflash.attention.triton.tuning import KernelConfig
 from sparseflash.masks.functions import trace
 
 KINDS = {"dense": (0, False), "causal": (1, True), "sparse": (2, False)}
@@ -55,7 +56,8 @@ def compile_variant(spec: str):
     elif kernel == "dec":
         constants.update(PACK=4, SPLIT=True)
     elif kernel != "fwd":
-        constants.update(PROGRAMS=PROGRAMS[kernel], SCORE_MOD_GRADS=None, QUERY_ROWS=kernel != "dq" and bn > bm)
+        constants.update(PROGRAMS=PROGRAMS[kernel], SCORE_MOD_GRADS=None,
+                         QUERY_ROWS=backward.query_rows(KernelConfig(bm, bn, warps, stages), PROGRAMS[kernel]))
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:

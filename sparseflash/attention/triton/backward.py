@@ -526,6 +526,12 @@ def _kernels(plan: LaunchPlan) -> list[tuple[str, int]]:
     return [("backward", 0)] if fused else [("dkdv", 1), ("dq", 2)]
 
 
+def query_rows(cfg: KernelConfig, programs: int) -> bool:
+    """QUERY_ROWS of a launch with ``cfg`` and PROGRAMS ``programs``: where its dK/dV programs stream more
+    queries than they hold keys, the longer side goes along the score tiles' rows (the module docstring)."""
+    return programs != 2 and cfg.block_n > cfg.block_m
+
+
 def _preprocess(plan: LaunchPlan, o, do, lse, dlse, delta, lse2, stats_stride: int, ahead: bool = False) -> None:
     """Launch the preprocess (``ahead``: only compile it; every tensor but dlse may be a ``Standin``)."""
     has_dlse = dlse is not None
@@ -558,7 +564,7 @@ def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk,
                     grad.zero_()
         (BACKWARD.compile_ahead if ahead else BACKWARD)(
             grid, tensors, scalars, plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=plan.score_mod_grads,
-                                                    QUERY_ROWS=programs != 2 and cfg.block_n > cfg.block_m))
+                                                    QUERY_ROWS=query_rows(cfg, programs)))
     return launch
 
 
