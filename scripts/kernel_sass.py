@@ -52,7 +52,7 @@ def compile_variant(spec: str):
         constants.update(SCORE_MOD=generated.score_mod, SCORE_KEYS=generated.score_keys,
                          SCORE_ROW=generated.score_row)
     if kernel == "pfwd":
-        constants.update(NUM_PROGRAMS=132, MASK_EVERY_TILE=False, PINGPONG="pingpong" in rest)
+        constants.update(NUM_PROGRAMS=132, MASK_EVERY_TILE=False)
     elif kernel == "dec":
         constants.update(PACK=4, SPLIT=True)
     elif kernel != "fwd":

@@ -54,54 +54,13 @@ def row_view_coords(b, h, row, stride_b, stride_h, stride_m):
     return (offset // stride_m).to(tl.int32) + row, (offset % stride_m).to(tl.int32)
 
 
-@triton.jit
-def turn_take(x, PINGPONG: tl.constexpr):
-    """Wait for this consumer warpgroup's turn at the tensor cores (named barrier 8 + (warpgroup & 1))."""
-    if PINGPONG:
-        x = tl.inline_asm_elementwise(
-            "{ .reg .u32 w; mov.u32 w, %tid.x; shr.u32 w, w, 7; and.b32 w, w, 1; add.u32 w, w, 8; "
-            "bar.sync w, 256; } mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
-    return x
-
-
-@triton.jit
-def turn_give(x, PINGPONG: tl.constexpr):
-    """Give the other consumer warpgroup its turn (arrive on its named barrier)."""
-    if PINGPONG:
-        x = tl.inline_asm_elementwise(
-            "{ .reg .u32 w; mov.u32 w, %tid.x; shr.u32 w, w, 7; and.b32 w, w, 1; xor.b32 w, w, 1; add.u32 w, w, 8; "
-            "bar.arrive w, 256; } mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
-    return x
-
-
-@triton.jit
-def turn_open(x, PINGPONG: tl.constexpr):
-    """Before a tile's loop: the odd warpgroup lets the even one go first."""
-    if PINGPONG:
-        x = tl.inline_asm_elementwise(
-            "{ .reg .u32 w; .reg .pred odd; mov.u32 w, %tid.x; shr.u32 w, w, 7; and.b32 w, w, 1; "
-            "setp.eq.u32 odd, w, 1; @odd bar.arrive 8, 256; } mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-            is_pure=False, pack=1)
-    return x
-
-
-@triton.jit
-def turn_close(x, PINGPONG: tl.constexpr):
-    """After a tile's loop: the even warpgroup takes the odd one's last turn, so the counts balance."""
-    if PINGPONG:
-        x = tl.inline_asm_elementwise(
-            "{ .reg .u32 w; .reg .pred even; mov.u32 w, %tid.x; shr.u32 w, w, 7; and.b32 w, w, 1; "
-            "setp.eq.u32 even, w, 0; @even bar.sync 8, 256; } mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-            is_pure=False, pack=1)
-    return x
-
 
 @triton.jit
 def _fwd_tiles_tma(acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col, t_hi, idx_ptr, q_start,
                    qk_scale, b, h, MODS, FROM_TABLE: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
                    MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_KEYS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   WIDEN_DOTS: tl.constexpr, PINGPONG: tl.constexpr = False):
+                   WIDEN_DOTS: tl.constexpr):
     """``tiles.forward_tiles`` over tiles 0..t_hi-1 for the persistent forward: K and V through the
     ``row_view`` descriptors, no bounds; the causal predicate and MASK_MOD on every tile."""
     MASKED: tl.constexpr = APPLY_CAUSAL or MASK_MOD is not None
@@ -114,11 +73,8 @@ def _fwd_tiles_tma(acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col,
         v = v_desc.load([v_row + kv_start, v_col])
         offs_m = q_start + tl.arange(0, BLOCK_M)
         offs_kv = kv_start + tl.arange(0, BLOCK_N)
-        scale = turn_take(qk_scale, PINGPONG)
-        qk = mma(q, tl.trans(k), None, DOT_PRECISION, WIDEN_DOTS)
-        scale = turn_give(scale, PINGPONG)
-        s, _ = modded_scores(qk, b, h, offs_m[:, None],
-                             offs_kv[None, :], q_start, kv_start, keys, scale, MODS, SCORE_MOD, SCORE_KEYS)
+        s, _ = modded_scores(mma(q, tl.trans(k), None, DOT_PRECISION, WIDEN_DOTS), b, h, offs_m[:, None],
+                             offs_kv[None, :], q_start, kv_start, keys, qk_scale, MODS, SCORE_MOD, SCORE_KEYS)
         if MASKED:
             if APPLY_CAUSAL:
                 keep = offs_m[:, None] >= offs_kv[None, :]
@@ -146,7 +102,7 @@ def _attn_fwd_persistent(
     HEAD_DIM: tl.constexpr, HEAD_DIM2: tl.constexpr, D_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDEN_DOTS: tl.constexpr, EVEN_LENGTHS: tl.constexpr, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
     SCORE_KEYS: tl.constexpr, SCORE_ROW: tl.constexpr, DROPOUT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    MASK_EVERY_TILE: tl.constexpr, PINGPONG: tl.constexpr = False,
+    MASK_EVERY_TILE: tl.constexpr,
 ):
     """The forward of masks whose tiles divide the lengths, as NUM_PROGRAMS programs that each take
     every NUM_PROGRAMS-th (batch x head, query tile), with Q, K, V (and, for DENSE and CAUSAL, O) moved
@@ -185,13 +141,11 @@ def _attn_fwd_persistent(
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         # CAUSAL runs its diagonal tiles in the same loop, masking every tile: a second loop makes
         # the warp-specialisation pass fail (Triton 3.9)
-        tile_scale = turn_open(qk_scale, PINGPONG)
         acc, l_i, m_i = _fwd_tiles_tma(
             acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col, part_hi if CAUSAL else full_hi,
-            full_idx, q_start, tile_scale, b, h, MODS, WALK_TABLES, CAUSAL or (MASK_EVERY_TILE and IS_CAUSAL),
+            full_idx, q_start, qk_scale, b, h, MODS, WALK_TABLES, CAUSAL or (MASK_EVERY_TILE and IS_CAUSAL),
             MASK_MOD if MASK_EVERY_TILE else None, SCORE_MOD, SCORE_KEYS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_N,
-            DOT_PRECISION, WIDEN_DOTS, PINGPONG)
-        l_i = l_i * (turn_close(tile_scale, PINGPONG) / tile_scale)
+            DOT_PRECISION, WIDEN_DOTS)
         # the row term as a vector: a reduction over a 1-wide column fails the warp-specialisation pass
         o, _, lse = finish_rows(acc, (), l_i, m_i, row_term(b, h, q_start + tl.arange(0, BLOCK_M), q_start, kv_len,
                                                            MODS, SCORE_ROW), 0)
@@ -306,8 +260,7 @@ def launch(plan, cfg, q, k, v, o, lse, mods: torch.Tensor, ahead: bool = False) 
     every_tile = plan.has_partial_tiles  # SPARSE only: DENSE and CAUSAL tables are placeholders
     tables = plan.tables_of("all" if every_tile else "kv")[0][:2]
     arguments = ((min(n_tiles, programs),), (q, k, v, o, lse, *tables, mods), (*scalars, n_tiles, plan.qk_scale),
-                 plan.constexprs(cfg, NUM_PROGRAMS=programs, MASK_EVERY_TILE=every_tile,
-                                 PINGPONG=os.environ.get("SPARSEFLASH_PINGPONG", "0") == "1"))
+                 plan.constexprs(cfg, NUM_PROGRAMS=programs, MASK_EVERY_TILE=every_tile))
     if ahead:
         FORWARD_PERSISTENT.compile_ahead(*arguments)
         return True
