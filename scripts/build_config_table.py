@@ -124,8 +124,8 @@ def main() -> None:
 
     import triton
 
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d")}
+    meta = {"gpu": torch.cuda.get_device_name(), **tuning.architecture(torch.cuda.current_device()),
+            "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
     cache_root = os.environ.get("SPARSEFLASH_CACHE_DIR", str(Path.home() / ".cache" / "sparseflash"))
     shapes = [(f"hd{head_dim} S={seq_len} {label}", functools.partial(run_shape, seq_len, head_dim, label,
                                                                        args.tokens, args.hidden))

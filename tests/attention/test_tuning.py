@@ -124,6 +124,26 @@ def test_the_table_gives_the_nearest_keys_config(tunings, monkeypatch):
     assert tunings == []
 
 
+def test_a_gpu_the_table_lacks_takes_the_entries_of_its_architecture(tunings, monkeypatch):
+    """A GPU without entries of its own (an H200) takes those of the table's GPU of the same compute
+    capability, the nearest in multiprocessors where several have it; a GPU of another capability, or
+    one this machine does not have, takes the first candidate."""
+    monkeypatch.delenv("SPARSEFLASH_TUNE")
+    key = _key(4096)
+    options = tuning.candidates("forward", key)
+    sxm, pcie = (dataclasses.replace(key, device=name) for name in ("H100 SXM", "H100 PCIe"))
+    monkeypatch.setattr(tuning, "_table", _table_of(("forward", sxm, options[2]), ("forward", pcie, options[3])))
+    monkeypatch.setattr(tuning, "_table_gpus", lambda: {"H100 SXM": {"capability": "9.0", "multiprocessors": 132},
+                                                        "H100 PCIe": {"capability": "9.0", "multiprocessors": 114}})
+    here = {"H200": {"capability": "9.0", "multiprocessors": 132}, "H100 NVL": {"capability": "9.0", "multiprocessors": 112},
+            "A100": {"capability": "8.0", "multiprocessors": 108}}
+    monkeypatch.setattr(tuning, "_architecture_named", here.get)
+    for device, expected in [("H200", options[2]), ("H100 NVL", options[3]), ("H100 PCIe", options[3]),
+                             ("A100", options[0]), ("not on this machine", options[0])]:
+        assert tuning.run_tuned("forward", dataclasses.replace(key, device=device), lambda cfg: None) == expected, device
+    assert tunings == []
+
+
 def test_a_key_without_the_persistent_forward_takes_the_nearest_regular_config(tunings, monkeypatch):
     """A ragged length leaves the persistent forward out (mode ""): the table's entries for the
     persistent-capable key still serve it, the nearest one whose config is not persistent."""
@@ -182,6 +202,8 @@ def test_the_shipped_table_reads_and_its_configs_are_candidates(monkeypatch):
     tuning._table.cache_clear()
     entries = [entry for gpu in tuning._table().values() for entry in gpu]
     assert entries, "the shipped table is empty"
+    for name in tuning._table():  # what a GPU without entries of its own is matched by (``table_gpu``)
+        assert {"capability", "multiprocessors"} <= tuning._table_gpus()[name].keys(), name
     for kernel, key, cfg in entries:
         assert cfg in tuning.candidates(kernel, key), (kernel, str(key), str(cfg))
 

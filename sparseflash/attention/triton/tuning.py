@@ -8,10 +8,13 @@ A kernel launches with the first config found of:
      timed on the real inputs (``_tune``: medians of interleaved calls) and the fastest kept, in
      memory and on disk. It costs 10-40 s per new key on an H100, which is why it is opt-in;
   4. the shipped table ``config_table.json``: configs tuned on a GPU of the same name, by
-     ``scripts/build_config_table.py``, taken from the nearest key (same kernel and head dim; then
-     the fewest differences in mask kind, functions, dtype, block, causal, persistent mode, the
-     two work buckets and decoding's rows) whose config is one of the key's candidates;
-  5. the first candidate of the kernel's list (a GPU the table does not know).
+     ``scripts/build_config_table.py``, or where the table has none for this GPU, on the table's GPU
+     of the same architecture (compute capability; the nearest multiprocessor count among several):
+     an H200 or an H100 PCIe takes the H100 SXM's configs. Taken from the nearest key (same kernel
+     and head dim; then the fewest differences in mask kind, functions, dtype, block, causal,
+     persistent mode, the two work buckets and decoding's rows) whose config is one of the key's
+     candidates;
+  5. the first candidate of the kernel's list (an architecture the table does not know).
 The key also holds two log2 buckets of the problem: the loop's trip count (mask blocks per query
 row) and the grid's size (batch x heads x query tiles), since short loops and small grids favour
 other tiles than the long, full ones; and, for decoding, the query rows that share a K/V head,
@@ -287,17 +290,57 @@ DECODE_ROWS_COST = 2  # per log2 step of decode_rows: 16 and 64 rows want other 
 
 
 @functools.lru_cache(maxsize=1)
-def _table() -> dict[str, list[tuple[str, ConfigKey, KernelConfig]]]:
-    """The shipped table by GPU name: ``(kernel, key, config)`` entries."""
+def _table_file() -> dict:
+    """config_table.json as read (empty where it is missing or unreadable)."""
     try:
-        data = json.loads(TABLE_PATH.read_text())
+        return json.loads(TABLE_PATH.read_text())
     except (OSError, ValueError):
         return {}
+
+
+@functools.lru_cache(maxsize=1)
+def _table() -> dict[str, list[tuple[str, ConfigKey, KernelConfig]]]:
+    """The shipped table by GPU name: ``(kernel, key, config)`` entries."""
     table: dict[str, list] = {}
-    for entry in data.get("entries", []):
+    for entry in _table_file().get("entries", []):
         key = ConfigKey(**{**entry["key"], "sparse_block": tuple(entry["key"]["sparse_block"])})
         table.setdefault(key.device, []).append((entry["kernel"], key, KernelConfig(**entry["config"])))
     return table
+
+
+def _table_gpus() -> dict[str, dict]:
+    """The table's GPUs by name: their ``architecture`` (where the table recorded it) and versions."""
+    return _table_file().get("built_on", {})
+
+
+def architecture(device: int) -> dict:
+    """``{"capability": "major.minor", "multiprocessors": n}`` of CUDA device ``device``."""
+    properties = torch.cuda.get_device_properties(device)
+    return {"capability": f"{properties.major}.{properties.minor}", "multiprocessors": properties.multi_processor_count}
+
+
+@functools.lru_cache(maxsize=None)
+def _architecture_named(device_name: str) -> Optional[dict]:
+    """``architecture`` of this machine's CUDA device named ``device_name``; None where it has none."""
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        if torch.cuda.get_device_name(i) == device_name:
+            return architecture(i)
+    return None
+
+
+def table_gpu(device_name: str) -> Optional[str]:
+    """The table's GPU whose entries serve ``device_name``: itself where the table has entries for it,
+    else the one of the same compute capability (the nearest multiprocessor count among several; an
+    H200 takes an H100's entries), else None."""
+    if device_name in _table():
+        return device_name
+    here = _architecture_named(device_name)
+    if here is None:
+        return None
+    siblings = [(abs(gpu.get("multiprocessors", 0) - here["multiprocessors"]), name)
+                for name, gpu in _table_gpus().items()
+                if gpu.get("capability") == here["capability"] and name in _table()]
+    return min(siblings)[1] if siblings else None
 
 
 def key_distance(a: ConfigKey, b: ConfigKey) -> float:
@@ -311,9 +354,13 @@ def key_distance(a: ConfigKey, b: ConfigKey) -> float:
 
 def from_table(kernel: str, key: ConfigKey, options: list[KernelConfig]) -> Optional[KernelConfig]:
     """The config of the table's nearest key to ``key`` that is one of ``options`` (fitted to the
-    key's blocks), or None."""
+    key's blocks), among the entries of ``table_gpu(key.device)``; or None."""
+    gpu = table_gpu(key.device)
+    if gpu is None:
+        return None
+    key = replace(key, device=gpu)
     best, best_cost = None, math.inf
-    for entry_kernel, entry_key, cfg in _table().get(key.device, ()):
+    for entry_kernel, entry_key, cfg in _table()[gpu]:
         if entry_kernel != kernel:
             continue
         cost, fitted = key_distance(key, entry_key), fit(kernel, cfg, key)
