@@ -135,12 +135,14 @@ def test_a_gpu_the_table_lacks_takes_the_entries_of_its_architecture(tunings, mo
     monkeypatch.setattr(tuning, "_table", _table_of(("forward", sxm, options[2]), ("forward", pcie, options[3])))
     monkeypatch.setattr(tuning, "_table_gpus", lambda: {"H100 SXM": {"capability": "9.0", "multiprocessors": 132},
                                                         "H100 PCIe": {"capability": "9.0", "multiprocessors": 114}})
-    here = {"H200": {"capability": "9.0", "multiprocessors": 132}, "H100 NVL": {"capability": "9.0", "multiprocessors": 112},
+    here = {"H200": {"capability": "9.0", "multiprocessors": 132},
+            "H100 NVL": {"capability": "9.0", "multiprocessors": 112},
             "A100": {"capability": "8.0", "multiprocessors": 108}}
     monkeypatch.setattr(tuning, "_architecture_named", here.get)
     for device, expected in [("H200", options[2]), ("H100 NVL", options[3]), ("H100 PCIe", options[3]),
                              ("A100", options[0]), ("not on this machine", options[0])]:
-        assert tuning.run_tuned("forward", dataclasses.replace(key, device=device), lambda cfg: None) == expected, device
+        chosen = tuning.run_tuned("forward", dataclasses.replace(key, device=device), lambda cfg: None)
+        assert chosen == expected, device
     assert tunings == []
 
 
