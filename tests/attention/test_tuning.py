@@ -126,8 +126,9 @@ def test_the_table_gives_the_nearest_keys_config(tunings, monkeypatch):
 
 def test_a_gpu_the_table_lacks_takes_the_entries_of_its_architecture(tunings, monkeypatch):
     """A GPU without entries of its own (an H200) takes those of the table's GPU of the same compute
-    capability, the nearest in multiprocessors where several have it; a GPU of another capability, or
-    one this machine does not have, takes the first candidate."""
+    capability, the nearest in multiprocessors where several have it; a GPU with entries of its own
+    takes those, even where another table GPU is nearer in multiprocessors; a GPU of another capability,
+    or one this machine does not have, takes the first candidate."""
     monkeypatch.delenv("SPARSEFLASH_TUNE")
     key = _key(4096)
     options = tuning.candidates("forward", key)
@@ -137,6 +138,7 @@ def test_a_gpu_the_table_lacks_takes_the_entries_of_its_architecture(tunings, mo
                                                         "H100 PCIe": {"capability": "9.0", "multiprocessors": 114}})
     here = {"H200": {"capability": "9.0", "multiprocessors": 132},
             "H100 NVL": {"capability": "9.0", "multiprocessors": 112},
+            "H100 PCIe": {"capability": "9.0", "multiprocessors": 132},  # nearer the SXM's, yet its own entries
             "A100": {"capability": "8.0", "multiprocessors": 108}}
     monkeypatch.setattr(tuning, "_architecture_named", here.get)
     for device, expected in [("H200", options[2]), ("H100 NVL", options[3]), ("H100 PCIe", options[3]),
@@ -144,6 +146,19 @@ def test_a_gpu_the_table_lacks_takes_the_entries_of_its_architecture(tunings, mo
         chosen = tuning.run_tuned("forward", dataclasses.replace(key, device=device), lambda cfg: None)
         assert chosen == expected, device
     assert tunings == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_this_gpu_finds_table_entries_where_the_table_knows_its_architecture():
+    """The real lookup of this GPU's architecture: a GPU whose compute capability the shipped table
+    records is served by it (an H200 by the H100's entries)."""
+    tuning._table_file.cache_clear()
+    tuning._table.cache_clear()
+    name = torch.cuda.get_device_name()
+    capability = tuning.architecture(torch.cuda.current_device())["capability"]
+    known = {gpu["capability"] for gpu in tuning._table_gpus().values()}
+    assert (tuning.table_gpu(name) is not None) == (name in tuning._table() or capability in known)
 
 
 def test_a_key_without_the_persistent_forward_takes_the_nearest_regular_config(tunings, monkeypatch):
@@ -201,6 +216,7 @@ def test_the_shipped_table_reads_and_its_configs_are_candidates(monkeypatch):
     """config_table.json parses, and each entry is a candidate of its own key (a table written for
     other candidate lists would silently fall back to the first candidate)."""
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    tuning._table_file.cache_clear()
     tuning._table.cache_clear()
     entries = [entry for gpu in tuning._table().values() for entry in gpu]
     assert entries, "the shipped table is empty"

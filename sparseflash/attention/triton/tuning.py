@@ -9,8 +9,8 @@ A kernel launches with the first config found of:
      memory and on disk. It costs 10-40 s per new key on an H100, which is why it is opt-in;
   4. the shipped table ``config_table.json``: configs tuned on a GPU of the same name, by
      ``scripts/build_config_table.py``, or where the table has none for this GPU, on the table's GPU
-     of the same architecture (compute capability; the nearest multiprocessor count among several):
-     an H200 or an H100 PCIe takes the H100 SXM's configs. Taken from the nearest key (same kernel
+     of the same architecture (compute capability; the nearest multiprocessor count among several;
+     e.g. an H200 takes an H100's configs). Taken from the nearest key (same kernel
      and head dim; then the fewest differences in mask kind, functions, dtype, block, causal,
      persistent mode, the two work buckets and decoding's rows) whose config is one of the key's
      candidates;
@@ -28,7 +28,8 @@ exercises several tiles per mask block.
 The public API: ``run_tuned`` (the kernels' launchers call it), ``planned`` (the config the next
 launch will take, for compiling it ahead), ``tuned`` (tune new keys inside a block), ``choice`` (the
 config a key would launch with, as found so far, without launching), ``pin`` (fix a key's config),
-``forget`` (drop this process's choices) and ``recording`` (which configs the kernels launched
+``forget`` (drop this process's choices), ``table_gpu`` (whose table entries serve a GPU; ``architecture``
+is what the table records per GPU) and ``recording`` (which configs the kernels launched
 inside a block, with a way to launch each again with another config: the benchmark,
 ``scripts/build_config_table.py`` and ``scripts/kernel_probe.py`` use it).
 """
@@ -103,9 +104,12 @@ class ConfigKey:
         return "|".join(str(v) for v in values) + f"|triton-{triton.__version__}"
 
 
+INTERPRETER_DEVICE = "interpreter"  # the device name of keys made under the interpreter (no CUDA device)
+
+
 @functools.lru_cache(maxsize=None)
 def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "interpreter"
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else INTERPRETER_DEVICE
 
 
 def _configs(*rows: tuple[int, int, int, int]) -> list[KernelConfig]:
@@ -321,8 +325,11 @@ def architecture(device: int) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _architecture_named(device_name: str) -> Optional[dict]:
-    """``architecture`` of this machine's CUDA device named ``device_name``; None where it has none."""
-    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+    """``architecture`` of this machine's CUDA device named ``device_name``; None where it has none (and
+    without touching CUDA for the interpreter's keys, so that a CPU process does not initialise it)."""
+    if device_name == INTERPRETER_DEVICE or not torch.cuda.is_available():
+        return None
+    for i in range(torch.cuda.device_count()):
         if torch.cuda.get_device_name(i) == device_name:
             return architecture(i)
     return None
@@ -344,8 +351,9 @@ def table_gpu(device_name: str) -> Optional[str]:
 
 
 def key_distance(a: ConfigKey, b: ConfigKey) -> float:
-    """How far apart two keys of one kernel are (inf: never substitute one for the other)."""
-    if a.device != b.device or any(getattr(a, f) != getattr(b, f) for f in SAME_REQUIRED):
+    """How far apart two keys of one kernel are, whatever their GPUs (``table_gpu`` picks those; inf:
+    never substitute one for the other)."""
+    if any(getattr(a, f) != getattr(b, f) for f in SAME_REQUIRED):
         return math.inf
     cost = sum(weight for field, weight in MISMATCH_COST.items() if getattr(a, field) != getattr(b, field))
     rows_steps = abs(a.decode_rows.bit_length() - b.decode_rows.bit_length())  # log2 steps (0: no decode key)
@@ -358,7 +366,6 @@ def from_table(kernel: str, key: ConfigKey, options: list[KernelConfig]) -> Opti
     gpu = table_gpu(key.device)
     if gpu is None:
         return None
-    key = replace(key, device=gpu)
     best, best_cost = None, math.inf
     for entry_kernel, entry_key, cfg in _table()[gpu]:
         if entry_kernel != kernel:
