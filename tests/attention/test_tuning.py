@@ -149,7 +149,6 @@ def test_a_gpu_the_table_lacks_takes_the_entries_of_its_architecture(tunings, mo
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_this_gpu_finds_table_entries_where_the_table_knows_its_architecture():
     """The real lookup of this GPU's architecture: a GPU whose compute capability the shipped table
     records is served by it (an H200 by the H100's entries)."""
