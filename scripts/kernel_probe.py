@@ -5,7 +5,8 @@
 
 Prints one row per (head_dim, S, pattern, mode): median ms (triton.testing.do_bench, the peers
 taking turns in rounds) of sparseflash-triton, FlexAttention and SDPA, triton's TFLOP/s
-(density-weighted) and the ratios.
+(density-weighted) and the ratios; ``--fa2-forward`` adds sparseflash with the Triton forward where
+it takes the Gluon one (forward_gluon.py), ``--flash`` Flex's FLASH backend (FlashAttention-4).
 ``--sweep`` instead times every kernel (forward, and backward or dkdv and dq) of one fwd+bwd call over a wide grid of
 tile configs (taking turns), next to the one the tuner chose, and prints a CUDA-kernel profile of the call for
 sparseflash-triton and FlexAttention. A quick loop for kernel work (docs/kernels.md); the benchmark
@@ -14,6 +15,8 @@ harness (experiments/bench.py) is the record.
 
 import argparse
 import contextlib
+import copy as copy_module
+import os
 import functools
 import itertools
 import statistics
@@ -127,6 +130,21 @@ def sweep(q, k, v, mask, flex_mask, kernels, only=None) -> None:
         profile_kernels(flex_step, "flex")
 
 
+def with_triton_forward(mask, q, k, v):
+    """A copy of ``mask`` whose calls on inputs like q, k, v take the Triton forward, not the Gluon one:
+    its launch plans are made here under SPARSEFLASH_GLUON=0 (a plan keeps its choice)."""
+    copy = copy_module.copy(mask)
+    copy.derived = {}  # where plans are kept
+    before = os.environ.get("SPARSEFLASH_GLUON")
+    os.environ["SPARSEFLASH_GLUON"] = "0"
+    try:
+        with torch.no_grad():
+            sparseflash.attention(q, k, v, copy, backend="triton")
+    finally:
+        os.environ.pop("SPARSEFLASH_GLUON") if before is None else os.environ.update(SPARSEFLASH_GLUON=before)
+    return copy
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dims", type=int, nargs="+", default=[128])
@@ -134,6 +152,8 @@ def main():
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"])
     parser.add_argument("--patterns", nargs="+", default=list(PATTERNS))
     parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--flash", action="store_true", help="also Flex's FLASH backend (FlashAttention-4)")
+    parser.add_argument("--fa2-forward", action="store_true", help="also sparseflash with the Triton forward")
     parser.add_argument("--sweep", action="store_true", help="time tile configs per kernel, profile one call")
     parser.add_argument("--kernels", nargs="+", default=list(SWEEP_GRID), help="the kernels --sweep times")
     parser.add_argument("--configs", nargs="+", help="--sweep only these, as BLOCK_M,BLOCK_N,WARPS,STAGES")
@@ -141,7 +161,8 @@ def main():
     print(torch.cuda.get_device_name(), torch.__version__)
     if not args.sweep:
         ceilings()
-    print("| D | S | pattern | mode | density | triton ms | TFLOP/s | flex ms | sdpa ms | flex/triton | sdpa/triton |")
+    print("| D | S | pattern | mode | density | triton ms | TFLOP/s | flex ms | sdpa ms | flex/triton | sdpa/triton |"
+          " flash/triton | fa2/triton |")
     for dim in args.dims:
         heads = 2048 // dim
         for seq in args.seqs:
@@ -160,13 +181,21 @@ def main():
                     "flex": None if args.no_flex else (
                         lambda q, k, v: flex_attention(q, k, v, mask, block_mask=flex_mask, dynamic=False)),
                     "sdpa": lambda q, k, v: sdpa_attention(q, k, v, mask),
+                    "flash": None if not args.flash else (
+                        lambda q, k, v: flex_attention(q, k, v, mask, block_mask=flex_mask, dynamic=False,
+                                                       backend="FLASH")),
+                    "fa2": None,
                 }
+                if args.fa2_forward:
+                    fa2_mask = with_triton_forward(mask, q, k, v)
+                    peers["fa2"] = lambda q, k, v: sparseflash.attention(q, k, v, fa2_mask, backend="triton")
                 for mode in args.modes:
                     ms = peer_medians(peers, q, k, v, mode)
                     flops = 4 * batch * heads * seq * seq * dim * mask.density * (1 if mode == "fwd" else 3.5)
                     print(f"| {dim} | {seq} | {name} | {mode} | {mask.density:.3f} | {ms['triton']:.3f} | "
                           f"{flops / ms['triton'] / 1e9:.0f} | {ms['flex']:.3f} | {ms['sdpa']:.3f} | "
-                          f"{ms['flex'] / ms['triton']:.2f} | {ms['sdpa'] / ms['triton']:.2f} |", flush=True)
+                          f"{ms['flex'] / ms['triton']:.2f} | {ms['sdpa'] / ms['triton']:.2f} | "
+                          f"{ms['flash'] / ms['triton']:.2f} | {ms['fa2'] / ms['triton']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

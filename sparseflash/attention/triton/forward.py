@@ -122,6 +122,13 @@ def _launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, m
     return cfg
 
 
+def _gluon():
+    """forward_gluon.py, imported where a plan takes it (``plan.gluon_forward``: Gluon's Hopper API is there)."""
+    from sparseflash.attention.triton import forward_gluon
+
+    return forward_gluon
+
+
 def _kernel(plan: LaunchPlan):
     """The tuned kernel's name and launch function for ``plan``'s shapes."""
     return ("decode", forward_decode.launch) if forward_decode.applies(plan) else ("forward", _launch)
@@ -135,6 +142,8 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     mods = plan.mods_table(list(captures))
     dropout_args = plan.dropout_args(dropout)
+    if plan.gluon_forward and _gluon().launch(plan, q, k, v, o, lse):
+        return o, lse
     name, launch = _kernel(plan)
     run_tuned(name, plan.config_key, lambda cfg: launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, dropout_args))
     return o, lse
@@ -143,6 +152,9 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
 def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
     """Start compiling the forward kernels that ``attention_forward`` on these inputs will launch (none
     where that launch tunes first)."""
+    if plan.gluon_forward and _gluon().launch(plan, q, k, v, Standin(q.dtype, q.shape),
+                                              Standin(torch.float32, q.shape[:3]), ahead=True):
+        return
     name, launch = _kernel(plan)
     cfg = planned(name, plan.config_key)
     if cfg is not None:

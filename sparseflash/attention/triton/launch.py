@@ -21,6 +21,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import triton
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
@@ -52,6 +53,21 @@ def multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_MULTIPROCESSORS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+GLUON_TRITON = (3, 6)  # the first Triton whose Gluon has the Hopper API that forward_gluon.py uses
+
+
+def gluon_hopper(device: torch.device) -> bool:
+    """Whether forward_gluon.py's kernels run on ``device``: a Hopper GPU (capability 9.x) with Triton >=
+    3.6; never under the interpreter, which does not run Gluon."""
+    return device.type == "cuda" and not interpreting() and _gluon_hopper(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_hopper(device: torch.device) -> bool:
+    version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:2])
+    return version >= GLUON_TRITON and torch.cuda.get_device_capability(device)[0] == 9
 
 
 class Standin:
@@ -94,7 +110,17 @@ class Launcher:
         # costs one launch through Triton, which compiles nothing new where its own specialisation
         # is unchanged.
         return (driver.active.get_current_device(), tuple(constexprs.items()), scalars,
-                *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+                *[Launcher._tensor_key(t) for t in tensors])
+
+    @staticmethod
+    def _tensor_key(t) -> tuple:
+        """A tensor's dtype and 16-byte alignment; a TMA descriptor's (Gluon's TensorDescriptor, whose
+        ``base`` is the tensor it reads) also its box: the kernel is specialised on both, its shape
+        and strides are arguments."""
+        base = getattr(t, "base", None)
+        if base is not None and not isinstance(t, torch.Tensor):
+            return base.dtype, tuple(t.block_shape)
+        return t.dtype, t.data_ptr() % 16 == 0
 
     @staticmethod
     def _variant(key: tuple) -> tuple:

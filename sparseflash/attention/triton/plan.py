@@ -16,7 +16,7 @@ import triton
 from sparseflash.attention.dropout import Dropout
 from sparseflash.attention.kept_tensors import made_outside_graph_pools
 from sparseflash.attention.triton import codegen, forward_decode, forward_persistent
-from sparseflash.attention.triton.launch import Standin, interpreting
+from sparseflash.attention.triton.launch import Standin, gluon_hopper, interpreting
 from sparseflash.attention.triton.tuning import ConfigKey, KernelConfig
 from sparseflash.masks import BlockMask, MaskKind, layout_to_tables
 from sparseflash.masks.functions import Graph
@@ -66,6 +66,9 @@ class LaunchPlan:
         # the persistent forward has no dropout
         persistent = "" if dropout or self._loads_per_score(mask, score_graph) else forward_persistent.mode(
             q, k, mask, has_key_lengths, self.padded_dim)
+        element_mods = self.mask_mod is not None or self.score_mod is not None
+        self.gluon_forward = gluon_hopper(q.device) and _gluon_forward_applies(
+            q, k, mask, self.mean_row_keys, has_key_lengths, dropout, element_mods)
         score = "score-special" if score_graph is not None and score_graph.uses_special_functions else "score"
         mods = "+".join(name for name, on in (("mask", self.mask_mod is not None),
                                               (score, self.score_mod is not None), ("dropout", dropout)) if on)
@@ -176,6 +179,13 @@ class LaunchPlan:
             MASK_MOD=self.mask_mod, SCORE_MOD=self.score_mod, SCORE_KEYS=self.score_keys, SCORE_ROW=self.score_row,
             DROPOUT=self.dropout,
         )
+
+
+def _gluon_forward_applies(*args) -> bool:
+    """``forward_gluon.applies``, imported only where Gluon's Hopper API is there (``gluon_hopper``)."""
+    from sparseflash.attention.triton import forward_gluon
+
+    return forward_gluon.applies(*args)
 
 
 def head_dim_parts(head_dim: int) -> dict:

@@ -1,0 +1,381 @@
+"""The forward for Hopper written in Gluon: FlashAttention-3's structure, which Triton's own warp
+specialisation does not reach (docs/kernels.md, "The Gluon forward").
+
+A program holds one 128-row query tile of one (batch, head) and runs three warpgroups:
+  producer   (24 registers a thread) loads the tile's Q (two 64-row halves) and then each key tile's K
+             and V by TMA into a ring of STAGES buffers; ``ready`` mbarriers say a buffer is full,
+             ``empty`` ones (two arrivals, one per consumer) that it may be refilled.
+  consumers  two warpgroups of 64 query rows each. Each issues tile j's scores S_j = Q K_j^T and the
+             previous tile's P_{j-1} V_{j-1} together, waits for S_j only and computes the softmax of
+             tile j while P_{j-1} V_{j-1} still runs on the tensor cores (the overlap inside a
+             warpgroup); with PINGPONG they also take turns issuing their products (named barriers 8
+             and 9), so that one warpgroup's softmax runs under the other's products.
+
+Constexpr flags:
+  MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): tiles 0.. of every key, of the keys up to
+                 the tile's last row, or of the blocks listed in the row tables (FULL_*, then PART_*).
+  IS_CAUSAL      SPARSE only: the partial blocks are cut by q_idx >= kv_idx (top-left alignment), the only
+                 element mask this kernel applies (no mask_mod, no score function).
+  BLOCK_N        key rows of a tile (128); the query tile is 2 x 64 rows.
+  SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
+  HEAD_DIM       64 or 128, the real head dim (no padding).
+  STAGES         K/V buffers (>= 3: a consumer waits for K_{j+1} before it releases the buffers of
+                 tile j-1, so that the wait's branch sits between the softmax and the wait for PV_{j-1}:
+                 without one, ptxas hoists that wait above the softmax).
+  PINGPONG       the two consumers take turns issuing their products.
+  MAY_BE_EMPTY   a row may see no key (SPARSE): the softmax guards m = -inf and l = 0.
+
+Scores in base 2 as in forward.py: s * qk_scale with qk_scale = scale * log2(e); lse = (m + log2 l) ln 2;
+a row that sees no key stores o = 0, lse = -inf. A row of no tile still gets one: the producer loads
+tile 0 and the consumers mask all of it, so that every loop has a first tile to peel.
+
+Applies (``applies``) on Hopper (capability 9.x) with Triton >= 3.6 to fp16/bf16 inputs of head dim 64
+or 128, lengths that 128 divides, SPARSE blocks that 128 divides, no key_lengths, dropout, mask_mod
+or score function, and layouts TMA can read (``forward_persistent.row_view_rows``).
+``SPARSEFLASH_GLUON``: "auto" (default) where it was measured faster than the Triton forward (rows of
+``AUTO_ROW_KEYS`` keys or more on average), "1" wherever it applies, "0" never.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from sparseflash.attention.triton.forward_persistent import row_view_rows
+from sparseflash.attention.triton.launch import Launcher
+from sparseflash.attention.triton.plan import KIND_CODES
+from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS
+from sparseflash.masks import MaskKind
+
+# Triton 3.9 renamed Triton 3.6's TMA load (and removed the old name)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+HALF_M = 64  # query rows of a consumer warpgroup
+BLOCK_M = 2 * HALF_M
+BLOCK_N = 128
+HEAD_DIMS = (64, 128)
+STAGES = {64: 4, 128: 3}  # K/V buffers by head dim: 3 fill Hopper's shared memory at 128
+# "auto" takes it for rows of at least this many keys on average: on an H100 it ran 1.01-1.33x the Triton
+# forward on DENSE and CAUSAL rows of 2048-16384 keys and on SPARSE rows of 4096, 0.77-0.94x on rows
+# of 512-1024 keys (its program's fixed costs: starting three warpgroups, filling the pipeline)
+AUTO_ROW_KEYS = 2048
+
+
+@gluon.jit
+def _named_sync(barrier: gl.constexpr, x):
+    """``bar.sync barrier, 256``: wait until both consumer warpgroups reach ``barrier`` (one may
+    have arrived there with ``_named_arrive``). Returns x, which orders it among x's uses."""
+    return gl.inline_asm_elementwise(f"bar.sync {barrier}, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _named_arrive(barrier: gl.constexpr, x):
+    """``bar.arrive barrier, 256``: let the other consumer warpgroup's ``_named_sync`` pass. Returns x."""
+    return gl.inline_asm_elementwise(f"bar.arrive {barrier}, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _tile_start(t, n_full, full_idx, part_idx, MASK_KIND: gl.constexpr, BLOCK_N: gl.constexpr,
+                SPARSE_BLOCK_N: gl.constexpr):
+    """First key of key tile t of the walk: t * BLOCK_N, or (SPARSE) its place in the t-th tile of the
+    listed full blocks, then of the partial ones (n_full: the full blocks' tiles)."""
+    if MASK_KIND == 2:
+        tiles_per_block: gl.constexpr = SPARSE_BLOCK_N // BLOCK_N
+        if t < n_full:
+            block = gl.load(full_idx + t // tiles_per_block)
+        else:
+            block = gl.load(part_idx + (t - n_full) // tiles_per_block)
+        return block * SPARSE_BLOCK_N + (t % tiles_per_block) * BLOCK_N
+    else:
+        return t * BLOCK_N
+
+
+@gluon.jit
+def _masked(s, t, n_full, offs_m, offs_n, full_idx, part_idx, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr,
+            BLOCK_N: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
+    """Scores s of key tile t with q_idx >= kv_idx applied where the tile is past the unmasked ones
+    (CAUSAL's diagonal, SPARSE's partial blocks)."""
+    if MASK_KIND == 1 or IS_CAUSAL:
+        if t >= n_full:
+            kv_start = _tile_start(t, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
+            s = gl.where(offs_m[:, None] >= (kv_start + offs_n)[None, :], s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _safe_max(m, MAY_BE_EMPTY: gl.constexpr):
+    """The running max as the exponents subtract it: 0 for a row that has seen no key yet (m = -inf),
+    whose probabilities are then exp2(-inf) = 0 instead of NaN."""
+    if MAY_BE_EMPTY:
+        return gl.where(m == float("-inf"), 0.0, m)
+    else:
+        return m
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
+              q_row, q_col, k_row, k_col, v_row, v_col, n_full, n_loads, full_idx, part_idx,
+              MASK_KIND: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Q's two halves, then K_t and V_t of tiles 0..n_loads-1 into buffer t % STAGES once both
+    consumers released its previous tile."""
+    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
+    _tma_load(q_desc, [q_row + q_desc.block_type.shape[0], q_col], q_ready, q_smem.index(1))
+    for t in range(n_loads):
+        stage = t % STAGES
+        kv_start = _tile_start(t, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
+        mbarrier.wait(kv_empty.index(stage), ((t // STAGES) - 1) & 1, pred=t >= STAGES)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [k_row + kv_start, k_col], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [v_row + kv_start, v_col], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, out_row, q_start,
+              n_full, n_tiles, n_loads, full_idx, part_idx, qk_scale,
+              WG: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+              PINGPONG: gl.constexpr, MAY_BE_EMPTY: gl.constexpr):
+    """Rows [WG * 64, WG * 64 + 64) of the query tile at q_start: the online softmax over the n_loads
+    key tiles the producer loads, then o (rows out_row.. of O seen as (rows, HEAD_DIM)) and the lse
+    (LSE + out_row..)."""
+    HALF_M: gl.constexpr = q_smem.type.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    MY_TURN: gl.constexpr = 8 + WG
+    THEIR_TURN: gl.constexpr = 9 - WG
+
+    q = q_smem.index(WG)
+    offs_m = q_start + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    turn = n_loads  # a value the named barriers pass along, which orders them among the products
+    if PINGPONG:
+        if WG == 1:
+            turn = _named_arrive(8, turn)  # warpgroup 0 goes first
+    mbarrier.wait(q_ready, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    if PINGPONG:
+        turn = _named_sync(MY_TURN, turn)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if PINGPONG:
+        turn = _named_arrive(THEIR_TURN, turn)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    s = _masked(s, 0, n_full, offs_m, offs_n, full_idx, part_idx, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_N)
+    if MAY_BE_EMPTY:
+        if n_tiles == 0:  # the producer loaded tile 0 all the same
+            s = gl.full_like(s, float("-inf"))
+    m_i = gl.max(s, 1)
+    p = gl.exp2(s * qk_scale - (_safe_max(m_i, MAY_BE_EMPTY) * qk_scale)[:, None])
+    l_i = gl.sum(p, 1)
+    p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+    mbarrier.wait(k_ready.index(1 % STAGES), 0, pred=1 < n_loads)
+    for j in range(1, n_loads):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        if PINGPONG:
+            turn = _named_sync(MY_TURN, turn)
+        s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        if PINGPONG:
+            turn = _named_arrive(THEIR_TURN, turn)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        s = _masked(s, j, n_full, offs_m, offs_n, full_idx, part_idx, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_N)
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = _safe_max(m_new, MAY_BE_EMPTY)
+        alpha = gl.exp2((m_i - m_use) * qk_scale)
+        p = gl.exp2(s * qk_scale - (m_use * qk_scale)[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        # the next key tile's wait sits here: its branch keeps ptxas from hoisting the PV wait above the softmax
+        mbarrier.wait(k_ready.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1, pred=j + 1 < n_loads)
+        p_new = gl.convert_layout(p.to(q.dtype), p_layout)
+        alpha_o = gl.convert_layout(alpha, row_o)
+        acc, p_op, p_new, alpha_o, l_i = warpgroup_mma_wait(0, deps=(acc, p_op, p_new, alpha_o, l_i))
+        mbarrier.arrive(kv_empty.index(prev))  # this warpgroup is done with K_{j-1} and V_{j-1}
+        acc = acc * alpha_o[:, None]
+        p_op = p_new
+    last = (n_loads - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_loads - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    if PINGPONG:
+        if WG == 0:
+            turn = _named_sync(8, turn)  # warpgroup 1's last arrival, so that the barrier counts balance
+    if MAY_BE_EMPTY:
+        l_o = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), row_o)
+    else:
+        l_o = gl.convert_layout(l_i, row_o)
+    o = acc / l_o[:, None]
+    rows = (out_row + WG * HALF_M + gl.arange(0, HALF_M, layout=row_o)).to(gl.int64)
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(O + rows[:, None] * HEAD_DIM + cols[None, :], o.to(O.dtype.element_ty))
+    lse = (m_i * qk_scale + gl.log2(l_i)) * 0.6931471805599453
+    # the turn value joins the stores, so the named barriers are not dead code
+    gl.store(LSE + out_row + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout)),
+             lse + (turn * 0).to(gl.float32))
+
+
+@gluon.jit(do_not_specialize=ROW_LENGTH_ARGS)
+def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                    stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
+                    heads, groups, q_len, kv_len, qk_scale,
+                    MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                    SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """The forward of query tile program_id(0) (CAUSAL: counted from the last, the longest rows first)
+    of (batch, head) program_id(1). q/k/v_desc read Q, K, V as ``row_view`` matrices (rows of pitch
+    stride_*m, element (b, h, s, 0) at row (b * stride_b + h * stride_h) // pitch + s and column
+    (...) % pitch); O (B, H, q_len, HEAD_DIM) and LSE (B, H, q_len) are contiguous."""
+    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = 2 * HALF_M
+    m_tiles = q_len // BLOCK_M
+    if MASK_KIND == 1:
+        start_m = m_tiles - 1 - gl.program_id(0)
+    else:
+        start_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    q_start = start_m * BLOCK_M
+
+    full_idx = FULL_IDX
+    part_idx = PART_IDX
+    if MASK_KIND == 2:
+        tiles_per_block: gl.constexpr = SPARSE_BLOCK_N // BLOCK_N
+        mask_row = q_start // SPARSE_BLOCK_M
+        num_off = b * stride_num_b + h * stride_num_h + mask_row * stride_num_m
+        idx_off = b * stride_idx_b + h * stride_idx_h + mask_row * stride_idx_m
+        n_full = gl.load(FULL_NUM + num_off) * tiles_per_block
+        n_tiles = n_full + gl.load(PART_NUM + num_off) * tiles_per_block
+        full_idx = FULL_IDX + idx_off
+        part_idx = PART_IDX + idx_off
+    elif MASK_KIND == 1:  # key tiles wholly at or below the tile's first row need no mask
+        n_full = gl.minimum(q_start + 1, kv_len) // BLOCK_N
+        n_tiles = gl.cdiv(gl.minimum(kv_len, q_start + BLOCK_M), BLOCK_N)
+    else:
+        n_full = kv_len // BLOCK_N
+        n_tiles = n_full
+    n_loads = gl.maximum(n_tiles, 1)  # a row of no tile loads tile 0 and masks it all (_masked)
+
+    offset = b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
+    q_row = (offset // stride_qm).to(gl.int32) + q_start
+    q_col = (offset % stride_qm).to(gl.int32)
+    offset = b.to(gl.int64) * stride_kb + (h // groups).to(gl.int64) * stride_kh
+    k_row = (offset // stride_kn).to(gl.int32)
+    k_col = (offset % stride_kn).to(gl.int32)
+    offset = b.to(gl.int64) * stride_vb + (h // groups).to(gl.int64) * stride_vh
+    v_row = (offset // stride_vn).to(gl.int32)
+    v_col = (offset % stride_vn).to(gl.int32)
+    out_row = bh * q_len + q_start
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, out_row, q_start,
+                     n_full, n_tiles, n_loads, full_idx, part_idx, qk_scale, 0, MASK_KIND, IS_CAUSAL, BLOCK_N,
+                     SPARSE_BLOCK_N, HEAD_DIM, STAGES, PINGPONG, MASK_KIND == 2)),
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, O, LSE, out_row, q_start,
+                     n_full, n_tiles, n_loads, full_idx, part_idx, qk_scale, 1, MASK_KIND, IS_CAUSAL, BLOCK_N,
+                     SPARSE_BLOCK_N, HEAD_DIM, STAGES, PINGPONG, MASK_KIND == 2)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
+                     q_row, q_col, k_row, k_col, v_row, v_col, n_full, n_loads, full_idx, part_idx, MASK_KIND,
+                     BLOCK_N, SPARSE_BLOCK_N, STAGES)),
+    ], [4, 4], [240, 24])  # registers a thread: the consumers' tiles take 240, the producer's loads 24
+
+
+# ---------------------------------------------------------------------------------- when it applies
+def _choice() -> str:
+    choice = os.environ.get("SPARSEFLASH_GLUON", "auto")
+    if choice not in ("auto", "0", "1"):
+        raise ValueError(f"SPARSEFLASH_GLUON must be auto, 0 or 1; got {choice!r}")
+    return choice
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_lengths: bool, dropout: bool,
+            element_mods: bool) -> bool:
+    """Whether calls with these inputs and mask take this forward (on a GPU ``launch.gluon_hopper``
+    admits): fp16/bf16, a head dim it was built for, lengths and SPARSE blocks that its tiles divide, no
+    key_lengths, dropout or element-level functions (``element_mods``: a mask_mod evaluated in some
+    tile, or a score function); with "auto", rows of ``row_keys`` >= AUTO_ROW_KEYS keys on average.
+    The layout of each call's tensors is checked at launch."""
+    choice = _choice()
+    if choice == "0":
+        return False
+    tiles_divide = q.shape[2] % BLOCK_M == 0 and k.shape[2] % BLOCK_N == 0 and (
+        mask.kind is not MaskKind.SPARSE or (mask.block_size[0] % BLOCK_M == 0 and mask.block_size[1] % BLOCK_N == 0))
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] in HEAD_DIMS and tiles_divide
+            and (choice == "1" or row_keys >= AUTO_ROW_KEYS) and not has_key_lengths and not dropout
+            and not element_mods)
+
+
+# ---------------------------------------------------------------------------------- launcher
+FORWARD_GLUON = Launcher(_attn_fwd_gluon)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if dtype is torch.bfloat16 else gl.float16)
+
+
+def _row_view(x: torch.Tensor, rows: int, block_rows: int) -> TensorDescriptor:
+    """A TMA descriptor of (block_rows, D) boxes over x (B, H, S, D) seen as ``rows`` rows of pitch
+    x.stride(2) (``row_view_rows``)."""
+    pitch, head_dim = x.stride(2), x.shape[3]
+    return TensorDescriptor(x, [rows, pitch], [pitch, 1], [block_rows, head_dim],
+                            _shared_layout(block_rows, head_dim, x.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], head_dim: int) -> dict:
+    return dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, BLOCK_N=BLOCK_N, SPARSE_BLOCK_M=sparse_block[0],
+                SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=head_dim, STAGES=STAGES[head_dim], PINGPONG=True, num_warps=4)
+
+
+def launch(plan, q, k, v, o, lse, ahead: bool = False) -> bool:
+    """Launch the forward on a problem ``applies`` admits (o and lse contiguous, or ``Standin``s with
+    ``ahead``: only compile); False (nothing launched) where TMA cannot read one of q, k, v's layouts."""
+    per_layout = plan.per_layout.setdefault("gluon", {})
+    layout = (q.stride(), k.stride(), v.stride(), q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
+    if layout not in per_layout:
+        rows = [row_view_rows(x) for x in (q, k, v)]
+        per_layout[layout] = None if None in rows else rows
+    rows = per_layout[layout]
+    if rows is None:
+        return False
+    descriptors = (_row_view(q, rows[0], HALF_M), _row_view(k, rows[1], BLOCK_N), _row_view(v, rows[2], BLOCK_N))
+    tables, table_strides = plan.tables_of("kv")
+    arguments = ((plan.q_len // BLOCK_M, plan.batch * plan.heads), (*descriptors, o, lse, *tables),
+                 (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *table_strides, plan.heads, plan.groups,
+                  plan.q_len, plan.kv_len, plan.qk_scale),
+                 _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, q.shape[3]))
+    (FORWARD_GLUON.compile_ahead if ahead else FORWARD_GLUON)(*arguments)
+    return True

@@ -1,0 +1,139 @@
+"""The Gluon forward for Hopper (forward_gluon.py): which calls take it, and, on a Hopper GPU (``pytest -m
+gpu``), its outputs and the backward's gradients from them against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseflash.attention.triton import forward_gluon
+from sparseflash.attention.triton.launch import Launcher, gluon_hopper
+from sparseflash.attention.triton.plan import LaunchPlan
+from sparseflash.masks import from_layout, make
+from tests.helpers import check_backend
+
+
+def _empty_first_row(q_len: int, kv_len: int, heads: int):
+    """Random 256 x 128 blocks, the first block row empty in every head (its rows see no key)."""
+    layout = torch.rand(heads, q_len // 256, kv_len // 128) < 0.5
+    layout[:, 1:, 0] = True
+    layout[:, 0] = False
+    return from_layout(layout, block=(256, 128), q_len=q_len, kv_len=kv_len)
+
+
+MASKS = {  # every kind the kernel walks: SPARSE with full blocks only, with causal partial blocks, empty rows
+    "dense": lambda q_len, kv_len, heads: make("dense", q_len, kv_len),
+    "causal": lambda q_len, kv_len, heads: make("causal", q_len, kv_len),
+    "butterfly": lambda q_len, kv_len, heads: make("butterfly", q_len, kv_len, block=128),
+    "random-per-head": lambda q_len, kv_len, heads: make("random", q_len, kv_len, block=128, heads=heads,
+                                                         density=0.3),
+    "local-causal-256": lambda q_len, kv_len, heads: make("local", q_len, kv_len, block=256, causal=True, window=1),
+    "empty-rows": _empty_first_row,
+}
+SHAPES = {  # (q_len, kv_len, layout): "bshd" is (B, S, H, D) memory seen as (B, H, S, D)
+    "s256": (256, 256, "bhsd"),
+    "q256-kv512": (256, 512, "bhsd"),
+    "s768-bshd": (768, 768, "bshd"),
+}
+
+
+def _inputs(shape: str, dim: int, dtype: torch.dtype, heads: int = 4, kv_heads: int = 2):
+    q_len, kv_len, layout = SHAPES[shape]
+
+    def tensor(n_heads, length):
+        if layout == "bshd":
+            return torch.randn(2, length, n_heads, dim, dtype=dtype, device="cuda").transpose(1, 2)
+        return torch.randn(2, n_heads, length, dim, dtype=dtype, device="cuda")
+
+    return tensor(heads, q_len), tensor(kv_heads, kv_len), tensor(kv_heads, kv_len), tensor(heads, q_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dim", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("pattern", list(MASKS))
+def test_gpu_gluon_forward_matches_reference(pattern, shape, dim, dtype, monkeypatch):
+    """o, lse and the gradients (the backward reads o and lse) against the reference; GQA (4 query heads
+    on 2 key/value heads); the Gluon forward launched for every call (SPARSEFLASH_GLUON=1)."""
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    q, k, v, do = _inputs(shape, dim, dtype)
+    mask = MASKS[pattern](q.shape[2], k.shape[2], q.shape[1])
+    launched = []
+    original = forward_gluon.launch
+    monkeypatch.setattr(forward_gluon, "launch", lambda *args, **kw: launched.append(original(*args, **kw))
+                        or launched[-1])
+    check_backend("triton", q, k, v, mask, do)
+    assert launched and all(launched), f"the Gluon forward did not run: {launched}"
+
+
+@pytest.mark.gpu
+def test_gpu_auto_takes_the_gluon_forward_on_long_rows(monkeypatch):
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.delenv("SPARSEFLASH_GLUON", raising=False)
+    q = torch.empty(1, 2, 4096, 128, dtype=torch.bfloat16, device="cuda")
+    assert LaunchPlan.of(q, q, make("causal", 4096), False, 128 ** -0.5).gluon_forward
+    assert not LaunchPlan.of(q, q, make("butterfly", 4096), False, 128 ** -0.5).gluon_forward
+
+
+def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
+    return torch.empty(2, 4, q_len, dim, dtype=dtype), torch.empty(2, 2, kv_len, dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("case, takes", [
+    ("dense", True), ("causal", True), ("butterfly", True), ("local-causal-256", True),
+    ("fp32", False), ("d96", False), ("d256", False), ("q200", False), ("kv300", False), ("blocks-64", False),
+    ("key-lengths", False), ("dropout", False), ("element-mods", False),
+], ids=str)
+def test_what_the_gluon_forward_takes(case, takes, monkeypatch):
+    """fp16/bf16 of head dim 64 or 128, lengths and SPARSE blocks that 128 divides, no key_lengths,
+    dropout, mask_mod or score function (SPARSEFLASH_GLUON=1; the GPU and Triton are ``gluon_hopper``'s)."""
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    shapes = dict(fp32=dict(dtype=torch.float32), d96=dict(dim=96), d256=dict(dim=256), q200=dict(q_len=200),
+                  kv300=dict(kv_len=300))
+    q, k = _plan_inputs(**shapes.get(case, {}))
+    if case in MASKS:
+        mask = MASKS[case](q.shape[2], k.shape[2], q.shape[1])
+    elif case == "blocks-64":
+        mask = make("butterfly", 256, block=64)
+    else:
+        mask = make("dense", q.shape[2], k.shape[2])
+    flags = dict(has_key_lengths=case == "key-lengths", dropout=case == "dropout", element_mods=case == "element-mods")
+    assert forward_gluon.applies(q, k, mask, 256, **flags) is takes
+
+
+def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
+    mask = make("dense", 256)
+    many, few = forward_gluon.AUTO_ROW_KEYS, forward_gluon.AUTO_ROW_KEYS - 128
+    monkeypatch.delenv("SPARSEFLASH_GLUON", raising=False)
+    assert forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False)
+    assert forward_gluon.applies(*_plan_inputs(dim=64), mask, many, False, False, False)
+    assert not forward_gluon.applies(*_plan_inputs(), mask, few, False, False, False)
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    assert forward_gluon.applies(*_plan_inputs(), mask, few, False, False, False)
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "0")
+    assert not forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False)
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "yes")
+    with pytest.raises(ValueError, match="SPARSEFLASH_GLUON must be auto, 0 or 1; got 'yes'"):
+        forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False)
+
+
+def test_no_gluon_forward_off_a_gpu():
+    """The interpreter runs no Gluon: a plan on the CPU takes the Triton forward whatever the shapes."""
+    q, k = _plan_inputs()
+    assert not gluon_hopper(q.device)
+    assert not LaunchPlan.of(q, k, make("dense", 256), False, 128 ** -0.5).gluon_forward
+
+
+def test_a_launch_key_tells_descriptors_by_dtype_and_box():
+    """Two TMA descriptors over tensors of one dtype key alike where their boxes agree, apart where not."""
+    x = torch.empty(2, 4, 256, 128, dtype=torch.bfloat16)
+    y = torch.empty(2, 4, 512, 128, dtype=torch.bfloat16)
+    assert Launcher._tensor_key(forward_gluon._row_view(x, 2048, 128)) == Launcher._tensor_key(
+        forward_gluon._row_view(y, 4096, 128))
+    assert Launcher._tensor_key(forward_gluon._row_view(x, 2048, 64)) != Launcher._tensor_key(
+        forward_gluon._row_view(x, 2048, 128))
+    assert Launcher._tensor_key(x) == (torch.bfloat16, True)
