@@ -107,11 +107,15 @@ def test_what_the_gluon_forward_takes(case, takes, monkeypatch):
 
 def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
     mask = make("dense", 256)
-    many, few = forward_gluon.AUTO_ROW_KEYS, forward_gluon.AUTO_ROW_KEYS - 128
+    many, few = forward_gluon.AUTO_ROW_KEYS[128, False], forward_gluon.AUTO_ROW_KEYS[128, False] - 128
     monkeypatch.delenv("SPARSEFLASH_GLUON", raising=False)
     assert forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False)
-    assert forward_gluon.applies(*_plan_inputs(dim=64), mask, many, False, False, False)
     assert not forward_gluon.applies(*_plan_inputs(), mask, few, False, False, False)
+    assert not forward_gluon.applies(*_plan_inputs(dim=64), mask, many, False, False, False)  # 64 needs more
+    assert forward_gluon.applies(*_plan_inputs(dim=64), mask, forward_gluon.AUTO_ROW_KEYS[64, False], False, False,
+                                 False)
+    causal = make("causal", 256)
+    assert forward_gluon.applies(*_plan_inputs(), causal, forward_gluon.AUTO_ROW_KEYS[128, True], False, False, False)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     assert forward_gluon.applies(*_plan_inputs(), mask, few, False, False, False)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "0")

@@ -61,10 +61,11 @@ BLOCK_M = 2 * HALF_M
 BLOCK_N = 128
 HEAD_DIMS = (64, 128)
 STAGES = {64: 4, 128: 3}  # K/V buffers by head dim: 3 fill Hopper's shared memory at 128
-# "auto" takes it for rows of at least this many keys on average: on an H100 it ran 1.01-1.33x the Triton
-# forward on DENSE and CAUSAL rows of 2048-16384 keys and on SPARSE rows of 4096, 0.77-0.94x on rows
-# of 512-1024 keys (its program's fixed costs: starting three warpgroups, filling the pipeline)
-AUTO_ROW_KEYS = 2048
+# "auto" takes it from this mean number of keys a query row walks, by head dim and whether the mask is
+# CAUSAL. On an H100 it ran 1.01-1.33x the Triton forward at or above them, 0.62-0.97x below (its
+# program's fixed costs: three warpgroups to start, a pipeline to fill, one tile a program); the Triton
+# forward's CAUSAL at head dim 128 is weaker (1.07x from 576 keys).
+AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, False): 4096}
 
 
 @gluon.jit
@@ -325,7 +326,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
     """Whether calls with these inputs and mask take this forward (on a GPU ``launch.gluon_hopper``
     admits): fp16/bf16, a head dim it was built for, lengths and SPARSE blocks that its tiles divide, no
     key_lengths, dropout or element-level functions (``element_mods``: a mask_mod evaluated in some
-    tile, or a score function); with "auto", rows of ``row_keys`` >= AUTO_ROW_KEYS keys on average.
+    tile, or a score function); with "auto", rows of ``row_keys`` keys on average, at least AUTO_ROW_KEYS's.
     The layout of each call's tensors is checked at launch."""
     choice = _choice()
     if choice == "0":
@@ -333,8 +334,8 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
     tiles_divide = q.shape[2] % BLOCK_M == 0 and k.shape[2] % BLOCK_N == 0 and (
         mask.kind is not MaskKind.SPARSE or (mask.block_size[0] % BLOCK_M == 0 and mask.block_size[1] % BLOCK_N == 0))
     return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] in HEAD_DIMS and tiles_divide
-            and (choice == "1" or row_keys >= AUTO_ROW_KEYS) and not has_key_lengths and not dropout
-            and not element_mods)
+            and (choice == "1" or row_keys >= AUTO_ROW_KEYS[q.shape[3], mask.kind is MaskKind.CAUSAL])
+            and not has_key_lengths and not dropout and not element_mods)
 
 
 # ---------------------------------------------------------------------------------- launcher
