@@ -25,8 +25,9 @@ Constexpr flags (one kernel body, specialised by the compiler):
 
 The softmax runs in base 2: scores are scaled by scale * log2(e), the running max m and sum l
 are kept per row and the output is divided by l once at the end; lse = (m + log2 l) * ln 2.
-A row that sees no key keeps m = -inf, l = 0 and stores o = 0, lse = -inf. On Hopper the tuner
-may pick the persistent, warp-specialised forward instead (forward_persistent.py); up to
+A row that sees no key keeps m = -inf, l = 0 and stores o = 0, lse = -inf. On Hopper long rows take
+the Gluon forward (forward_gluon.py, ``plan.gluon_forward``), and the tuner may pick the persistent,
+warp-specialised forward instead of this one (forward_persistent.py); up to
 ``forward_decode.MAX_QUERIES`` query rows (decoding) take the split-KV forward (forward_decode.py).
 """
 
