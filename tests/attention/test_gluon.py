@@ -63,8 +63,12 @@ def test_gpu_gluon_forward_matches_reference(pattern, shape, dim, dtype, monkeyp
     mask = MASKS[pattern](q.shape[2], k.shape[2], q.shape[1])
     launched = []
     original = forward_gluon.launch
-    monkeypatch.setattr(forward_gluon, "launch", lambda *args, **kw: launched.append(original(*args, **kw))
-                        or launched[-1])
+
+    def launch(*args, **kwargs):
+        launched.append(original(*args, **kwargs))
+        return launched[-1]
+
+    monkeypatch.setattr(forward_gluon, "launch", launch)
     check_backend("triton", q, k, v, mask, do)
     assert launched and all(launched), f"the Gluon forward did not run: {launched}"
 

@@ -12,8 +12,8 @@ GPU handing out the next as one ends) with three warpgroups:
   consumers  two warpgroups of 64 query rows each. Each issues tile j's scores S_j = Q K_j^T and the
              previous tile's P_{j-1} V_{j-1} together, waits for S_j only and computes the softmax of
              tile j while P_{j-1} V_{j-1} still runs on the tensor cores (the overlap inside a
-             warpgroup); with PINGPONG they also take turns issuing their products (named barriers 8
-             and 9), so that one warpgroup's softmax runs under the other's products.
+             warpgroup); they also take turns issuing their products (named barriers 8 and 9), so
+             that one warpgroup's softmax runs under the other's products.
 
 Constexpr flags:
   MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): tiles 0.. of every key, of the keys up to
@@ -26,7 +26,6 @@ Constexpr flags:
   STAGES         K/V buffers (>= 3: a consumer waits for K_{j+1} before it releases the buffers of
                  tile j-1, so that the wait's branch sits between the softmax and the wait for PV_{j-1}:
                  without one, ptxas hoists that wait above the softmax).
-  PINGPONG       the two consumers take turns issuing their products.
   MAY_BE_EMPTY   a row may see no key (SPARSE): the softmax guards m = -inf and l = 0.
 
 Scores in base 2 as in forward.py: s * qk_scale with qk_scale = scale * log2(e); lse = (m + log2 l) ln 2;
@@ -214,7 +213,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
               heads, q_len, kv_len, n_items, num_programs, qk_scale,
               WG: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
               SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, PINGPONG: gl.constexpr, MAY_BE_EMPTY: gl.constexpr):
+              STAGES: gl.constexpr, MAY_BE_EMPTY: gl.constexpr):
     """For each work item, rows [WG * 64, WG * 64 + 64) of its query tile: the online softmax over the key
     tiles the producer loads, then o (O seen as (rows, HEAD_DIM)) and the lse."""
     HALF_M: gl.constexpr = q_smem.type.shape[1]
@@ -243,16 +242,13 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             SPARSE_BLOCK_N)
         n_loads = gl.maximum(n_tiles, 1)
         offs_m = q_start + rows_s
-        if PINGPONG:
-            if WG == 1:
-                turn = _named_arrive(8, turn)  # warpgroup 0 goes first
+        if WG == 1:
+            turn = _named_arrive(8, turn)  # warpgroup 0 goes first
         mbarrier.wait(q_ready, i & 1)
         mbarrier.wait(k_ready.index(used % STAGES), (used // STAGES) & 1)
-        if PINGPONG:
-            turn = _named_sync(MY_TURN, turn)
+        turn = _named_sync(MY_TURN, turn)
         s = warpgroup_mma(q, k_smem.index(used % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        if PINGPONG:
-            turn = _named_arrive(THEIR_TURN, turn)
+        turn = _named_arrive(THEIR_TURN, turn)
         s = warpgroup_mma_wait(0, deps=(s,))
         s = _masked(s, 0, n_full, offs_m, offs_n, full_idx, part_idx, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_N)
         if MAY_BE_EMPTY:
@@ -268,13 +264,11 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             tile = used + j
             stage = tile % STAGES
             prev = (tile - 1) % STAGES
-            if PINGPONG:
-                turn = _named_sync(MY_TURN, turn)
+            turn = _named_sync(MY_TURN, turn)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(prev), ((tile - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            if PINGPONG:
-                turn = _named_arrive(THEIR_TURN, turn)
+            turn = _named_arrive(THEIR_TURN, turn)
             s = warpgroup_mma_wait(1, deps=(s,))
             s = _masked(s, j, n_full, offs_m, offs_n, full_idx, part_idx, MASK_KIND, IS_CAUSAL, BLOCK_N,
                         SPARSE_BLOCK_N)
@@ -300,9 +294,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(kv_empty.index(last % STAGES))
         used += n_loads
-        if PINGPONG:
-            if WG == 0:
-                turn = _named_sync(8, turn)  # warpgroup 1's last arrival, so that the barrier counts balance
+        if WG == 0:
+            turn = _named_sync(8, turn)  # warpgroup 1's last arrival, so that the barrier counts balance
         if MAY_BE_EMPTY:
             l_o = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), row_o)
         else:
@@ -323,7 +316,7 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM
                     heads, groups, q_len, kv_len, n_items, num_programs, qk_scale,
                     MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                     SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                    STAGES: gl.constexpr):
     """Work items program_id(0), program_id(0) + num_programs, ... of the n_items (batch, head, query tile)
     (``_work_item``). q/k/v_desc read Q, K, V as ``row_view`` matrices (rows of pitch stride_*m, element
     (b, h, s, 0) at row (b * stride_b + h * stride_h) // pitch + s and column (...) % pitch); O (B, H,
@@ -349,12 +342,12 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                      FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m,
                      stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale,
-                     0, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES, PINGPONG,
+                     0, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES,
                      MASK_KIND == 2)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                      FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m,
                      stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale,
-                     1, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES, PINGPONG,
+                     1, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES,
                      MASK_KIND == 2)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                      FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
@@ -409,7 +402,7 @@ def _row_view(x: torch.Tensor, rows: int, block_rows: int) -> TensorDescriptor:
 @functools.lru_cache(maxsize=None)
 def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], head_dim: int) -> dict:
     return dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, BLOCK_N=BLOCK_N, SPARSE_BLOCK_M=sparse_block[0],
-                SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=head_dim, STAGES=STAGES[head_dim], PINGPONG=True, num_warps=4)
+                SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=head_dim, STAGES=STAGES[head_dim], num_warps=4)
 
 
 def launch(plan, q, k, v, o, lse, ahead: bool = False) -> bool:
