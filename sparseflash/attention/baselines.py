@@ -99,13 +99,13 @@ def _mask_mod(mask: BlockMask, layout: torch.Tensor, key_lengths: torch.Tensor |
     sparse = mask.kind is MaskKind.SPARSE
     layout = layout if layout.dim() == 4 else layout[None]  # (B_or_1, H_or_1, n_q, n_kv)
     one_batch, one_head = layout.shape[0] == 1, layout.shape[1] == 1
+    own_mod = mask.mask_mod
+    if not sparse and key_lengths is None:
+        return _causal if mask.causal else None  # module-level functions: no recompiles
     # a shared batch or head dim is dropped, not indexed by a constant 0: Flex's FLASH backend
     # (CuTe DSL) fails on constant indices in a mask_mod
     table = layout[0] if one_batch else layout
     table = table.select(-3, 0) if one_head else table
-    own_mod = mask.mask_mod
-    if not sparse and key_lengths is None:
-        return _causal if mask.causal else None  # module-level functions: no recompiles
 
     def mask_mod(b, h, q_idx, kv_idx):
         keep = kv_idx >= 0

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseflash.attention.triton import forward_gluon
-from sparseflash.attention.triton.launch import Launcher, gluon_hopper
-from sparseflash.attention.triton.plan import LaunchPlan
-from sparseflash.masks import from_layout, make
-from tests.helpers import check_backend
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="Triton without Gluon for Hopper")
+from sparseflash.attention.triton import forward_gluon  # noqa: E402
+from sparseflash.attention.triton.launch import Launcher, gluon_hopper  # noqa: E402
+from sparseflash.attention.triton.plan import LaunchPlan  # noqa: E402
+from sparseflash.masks import from_layout, make  # noqa: E402
+from tests.helpers import check_backend  # noqa: E402
 
 
 def _empty_first_row(q_len: int, kv_len: int, heads: int):
@@ -74,20 +75,6 @@ def test_gpu_gluon_forward_matches_reference(pattern, shape, dim, dtype, monkeyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim, dtype", [(64, torch.float16), (128, torch.bfloat16)], ids=["d64-fp16", "d128-bf16"])
-@pytest.mark.parametrize("pattern", list(MASKS))
-def test_gpu_gluon_forward_many_items_a_program(pattern, dim, dtype, monkeypatch):
-    """Three programs for the 2 x 4 x 6 query tiles (16 each): the K/V ring, Q's buffer and the named
-    barriers carried from one work item to the next."""
-    if not gluon_hopper(torch.device("cuda")):
-        pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
-    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
-    monkeypatch.setattr(forward_gluon, "multiprocessors", lambda device: 3)
-    q, k, v, do = _inputs("s768-bshd", dim, dtype)
-    check_backend("triton", q, k, v, MASKS[pattern](q.shape[2], k.shape[2], q.shape[1]), do)
-
-
-@pytest.mark.gpu
 def test_gpu_auto_takes_the_gluon_forward_on_long_rows(monkeypatch):
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
@@ -104,11 +91,13 @@ def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
 @pytest.mark.parametrize("case, takes", [
     ("dense", True), ("causal", True), ("butterfly", True), ("local-causal-256", True),
     ("fp32", False), ("d96", False), ("d256", False), ("q200", False), ("kv300", False), ("blocks-64", False),
+    ("ragged-last-block", False),
     ("key-lengths", False), ("dropout", False), ("element-mods", False),
 ], ids=str)
 def test_what_the_gluon_forward_takes(case, takes, monkeypatch):
-    """fp16/bf16 of head dim 64 or 128, lengths and SPARSE blocks that 128 divides, no key_lengths,
-    dropout, mask_mod or score function (SPARSEFLASH_GLUON=1; the GPU and Triton are ``gluon_hopper``'s)."""
+    """fp16/bf16 of head dim 64 or 128, lengths that 128 divides, SPARSE blocks that 128 divides and that
+    divide the lengths, no key_lengths, dropout, mask_mod or score function (SPARSEFLASH_GLUON=1; the GPU
+    and Triton are ``gluon_hopper``'s)."""
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     shapes = dict(fp32=dict(dtype=torch.float32), d96=dict(dim=96), d256=dict(dim=256), q200=dict(q_len=200),
                   kv300=dict(kv_len=300))
@@ -117,6 +106,9 @@ def test_what_the_gluon_forward_takes(case, takes, monkeypatch):
         mask = MASKS[case](q.shape[2], k.shape[2], q.shape[1])
     elif case == "blocks-64":
         mask = make("butterfly", 256, block=64)
+    elif case == "ragged-last-block":  # 384 keys in 256-key blocks: the last block holds 128 of them
+        q, k = _plan_inputs(384, 384)
+        mask = make("random", 384, block=256, density=0.5)
     else:
         mask = make("dense", q.shape[2], k.shape[2])
     flags = dict(has_key_lengths=case == "key-lengths", dropout=case == "dropout", element_mods=case == "element-mods")
@@ -148,6 +140,14 @@ def test_no_gluon_forward_off_a_gpu():
     q, k = _plan_inputs()
     assert not gluon_hopper(q.device)
     assert not LaunchPlan.of(q, k, make("dense", 256), False, 128 ** -0.5).gluon_forward
+
+
+def test_a_layout_tma_cannot_read_launches_nothing():
+    """``launch`` returns False (the Triton forward runs) for a head dim that is not contiguous."""
+    q = torch.randn(1, 2, 256, 128, 2, dtype=torch.bfloat16)[..., 0]
+    assert q.stride(3) == 2
+    plan = LaunchPlan.of(q, q, make("dense", 256), False, 128 ** -0.5)
+    assert not forward_gluon.launch(plan, q, q, q, torch.empty_like(q), torch.empty(1, 2, 256))
 
 
 def test_a_launch_key_tells_descriptors_by_dtype_and_box():

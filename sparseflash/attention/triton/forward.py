@@ -141,10 +141,10 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
     ``plan.key_lengths_arg`` gives it; ``dropout``: a ``Dropout`` where the plan has one, else None."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    mods = plan.mods_table(list(captures))
-    dropout_args = plan.dropout_args(dropout)
     if plan.gluon_forward and _gluon().launch(plan, q, k, v, o, lse):
         return o, lse
+    mods = plan.mods_table(list(captures))
+    dropout_args = plan.dropout_args(dropout)
     name, launch = _kernel(plan)
     run_tuned(name, plan.config_key, lambda cfg: launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, dropout_args))
     return o, lse

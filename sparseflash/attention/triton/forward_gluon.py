@@ -1,14 +1,14 @@
 """The forward for Hopper written in Gluon: FlashAttention-3's structure, which Triton's own warp
 specialisation does not reach (docs/kernels.md, "The Gluon forward").
 
-A work item is one 128-row query tile of one (batch, head) (``_work_item``); a program takes items
-pid, pid + num_programs, ... (num_programs: the GPU's multiprocessors; CAUSAL: one item a program, the
-GPU handing out the next as one ends) with three warpgroups:
+A work item is one 128-row query tile of one (batch, head) (``_work_item``). A program takes items pid,
+pid + num_programs, ...; the launcher gives each item a program of its own (num_programs = n_items): with
+several a program, nothing but timing keeps one consumer's turn-taking arrival for the next item from
+meeting the other's last one of this item (docs/kernels.md, "The Gluon forward"). Three warpgroups:
   producer   (24 registers a thread) loads each item's Q (two 64-row halves) once both consumers are
              done with the last one (``q_empty``), then each key tile's K and V by TMA into a ring of
              STAGES buffers that runs on from item to item; ``ready`` mbarriers say a buffer is full,
-             ``empty`` ones (two arrivals, one per consumer) that it may be refilled. The next item's
-             loads so run under the consumers' last product and stores.
+             ``empty`` ones (two arrivals, one per consumer) that it may be refilled.
   consumers  two warpgroups of 64 query rows each. Each issues tile j's scores S_j = Q K_j^T and the
              previous tile's P_{j-1} V_{j-1} together, waits for S_j only and computes the softmax of
              tile j while P_{j-1} V_{j-1} still runs on the tensor cores (the overlap inside a
@@ -30,7 +30,8 @@ Constexpr flags:
 
 Scores in base 2 as in forward.py: s * qk_scale with qk_scale = scale * log2(e); lse = (m + log2 l) ln 2;
 a row that sees no key stores o = 0, lse = -inf. A row of no tile still gets one: the producer loads
-tile 0 and the consumers mask all of it, so that every loop has a first tile to peel.
+the first tile its walk would take (for SPARSE the block at its table's first entry, a padding entry)
+and the consumers mask all of it, so that every loop has a first tile to peel.
 
 Applies (``applies``) on Hopper (capability 9.x) with Triton >= 3.6 to fp16/bf16 inputs of head dim 64
 or 128, lengths that 128 divides, SPARSE blocks that 128 divides, no key_lengths, dropout, mask_mod
@@ -51,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from sparseflash.attention.triton.forward_persistent import row_view_rows
-from sparseflash.attention.triton.launch import Launcher, multiprocessors
+from sparseflash.attention.triton.launch import Launcher
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS
 from sparseflash.masks import MaskKind
@@ -65,9 +66,9 @@ BLOCK_N = 128
 HEAD_DIMS = (64, 128)
 STAGES = {64: 4, 128: 3}  # K/V buffers by head dim: 3 fill Hopper's shared memory at 128
 # "auto" takes it from this mean number of keys a query row walks, by head dim and whether the mask is
-# CAUSAL. On an H100 it ran 1.01-1.33x the Triton forward at or above them, 0.62-0.97x below (its
-# program's fixed costs: three warpgroups to start, a pipeline to fill, one tile a program); the Triton
-# forward's CAUSAL at head dim 128 is weaker (1.07x from 576 keys).
+# CAUSAL. On an H100 it ran 1.01-1.33x the Triton forward at or above them, 0.62-0.97x below (one item
+# a program: three warpgroups to start and a pipeline to fill for each); the Triton forward's CAUSAL at
+# head dim 128 is weaker (1.07x from 576 keys).
 AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, False): 4096}
 
 
@@ -194,7 +195,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
         _tma_load(q_desc, [q_row + HALF_M, q_col], q_ready, q_smem.index(1))
-        for t in range(gl.maximum(n_tiles, 1)):  # a row of no tile loads tile 0 and masks it all
+        for t in range(gl.maximum(n_tiles, 1)):  # a row of no tile loads a first one, which the consumers mask
             stage = loads % STAGES
             kv_start = _tile_start(t, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
             mbarrier.wait(kv_empty.index(stage), ((loads // STAGES) - 1) & 1, pred=loads >= STAGES)
@@ -368,15 +369,20 @@ def _choice() -> str:
 def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_lengths: bool, dropout: bool,
             element_mods: bool) -> bool:
     """Whether calls with these inputs and mask take this forward (on a GPU ``launch.gluon_hopper``
-    admits): fp16/bf16, a head dim it was built for, lengths and SPARSE blocks that its tiles divide, no
+    admits): fp16/bf16, a head dim it was built for, lengths that its tiles divide (SPARSE: that the mask
+    blocks divide, blocks that the tiles divide), no
     key_lengths, dropout or element-level functions (``element_mods``: a mask_mod evaluated in some
     tile, or a score function); with "auto", rows of ``row_keys`` keys on average, at least AUTO_ROW_KEYS's.
-    The layout of each call's tensors is checked at launch."""
+    The layout of each call's tensors is checked at launch. A plan keeps the answer: SPARSEFLASH_GLUON
+    set later changes the plans made after it."""
     choice = _choice()
     if choice == "0":
         return False
-    tiles_divide = q.shape[2] % BLOCK_M == 0 and k.shape[2] % BLOCK_N == 0 and (
-        mask.kind is not MaskKind.SPARSE or (mask.block_size[0] % BLOCK_M == 0 and mask.block_size[1] % BLOCK_N == 0))
+    q_len, kv_len = q.shape[2], k.shape[2]
+    # SPARSE: blocks of whole tiles, and no ragged last block (the walk takes every tile of a listed block)
+    tiles_divide = q_len % BLOCK_M == 0 and kv_len % BLOCK_N == 0 and (
+        mask.kind is not MaskKind.SPARSE or all(length % block == 0 and block % tile == 0 for length, block, tile in
+                                                zip((q_len, kv_len), mask.block_size, (BLOCK_M, BLOCK_N))))
     return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] in HEAD_DIMS and tiles_divide
             and (choice == "1" or row_keys >= AUTO_ROW_KEYS[q.shape[3], mask.kind is MaskKind.CAUSAL])
             and not has_key_lengths and not dropout and not element_mods)
@@ -418,10 +424,9 @@ def launch(plan, q, k, v, o, lse, ahead: bool = False) -> bool:
         return False
     descriptors = (_row_view(q, rows[0], HALF_M), _row_view(k, rows[1], BLOCK_N), _row_view(v, rows[2], BLOCK_N))
     tables, table_strides = plan.tables_of("kv")
-    n_items = plan.batch * plan.heads * (plan.q_len // BLOCK_M)
-    # CAUSAL: one work item a program, the GPU handing out the next as a program ends. Items dealt out in
-    # turn left programs of only long rows beside programs of only short ones (0.72x at S=16384 on an H200)
-    programs = n_items if plan.kind is MaskKind.CAUSAL else min(n_items, multiprocessors(q.device))
+    # One work item a program, the GPU handing out the next as a program ends (docs/kernels.md, "The Gluon
+    # forward": several a program need the consumers' turn-taking reworked at the items' boundary)
+    n_items = programs = plan.batch * plan.heads * (plan.q_len // BLOCK_M)
     arguments = ((programs,), (*descriptors, o, lse, *tables),
                  (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *table_strides, plan.heads, plan.groups,
                   plan.q_len, plan.kv_len, n_items, programs, plan.qk_scale),

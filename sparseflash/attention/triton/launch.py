@@ -115,11 +115,11 @@ class Launcher:
     @staticmethod
     def _tensor_key(t) -> tuple:
         """A tensor's dtype and 16-byte alignment; a TMA descriptor's (Gluon's TensorDescriptor, whose
-        ``base`` is the tensor it reads) also its box: the kernel is specialised on both, its shape
-        and strides are arguments."""
+        ``base`` is the tensor it reads) dtype, box and shared-memory layout: the kernel is specialised on
+        those, its shape and strides are arguments."""
         base = getattr(t, "base", None)
         if base is not None and not isinstance(t, torch.Tensor):
-            return base.dtype, tuple(t.block_shape)
+            return base.dtype, tuple(t.block_shape), t.layout
         return t.dtype, t.data_ptr() % 16 == 0
 
     @staticmethod
