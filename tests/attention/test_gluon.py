@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="Triton without Gluon for Hopper")
 from sparseflash.attention.triton import forward_gluon  # noqa: E402
-from sparseflash.attention.triton.launch import Launcher, gluon_hopper  # noqa: E402
+from sparseflash.attention.triton.launch import Launcher, Standin, gluon_hopper  # noqa: E402
 from sparseflash.attention.triton.plan import LaunchPlan  # noqa: E402
 from sparseflash.masks import from_layout, make  # noqa: E402
 from tests.helpers import check_backend  # noqa: E402
@@ -151,11 +151,13 @@ def test_a_layout_tma_cannot_read_launches_nothing():
 
 
 def test_a_launch_key_tells_descriptors_by_dtype_and_box():
-    """Two TMA descriptors over tensors of one dtype key alike where their boxes agree, apart where not."""
+    """Two TMA descriptors over tensors of one dtype key alike where their boxes agree, apart where not; a
+    stand-in for an output keys as a tensor does."""
     x = torch.empty(2, 4, 256, 128, dtype=torch.bfloat16)
     y = torch.empty(2, 4, 512, 128, dtype=torch.bfloat16)
     assert Launcher._tensor_key(forward_gluon._row_view(x, 2048, 128)) == Launcher._tensor_key(
         forward_gluon._row_view(y, 4096, 128))
     assert Launcher._tensor_key(forward_gluon._row_view(x, 2048, 64)) != Launcher._tensor_key(
         forward_gluon._row_view(x, 2048, 128))
-    assert Launcher._tensor_key(x) == (torch.bfloat16, True)
+    assert Launcher._tensor_key(forward_gluon._row_view(x, 2048, 64))[:2] == (torch.bfloat16, (64, 128))
+    assert Launcher._tensor_key(Standin(torch.bfloat16, (2, 4, 256, 128))) == (torch.bfloat16, True)

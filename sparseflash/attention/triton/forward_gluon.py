@@ -34,8 +34,8 @@ the first tile its walk would take (for SPARSE the block at its table's first en
 and the consumers mask all of it, so that every loop has a first tile to peel.
 
 Applies (``applies``) on Hopper (capability 9.x) with Triton >= 3.6 to fp16/bf16 inputs of head dim 64
-or 128, lengths that 128 divides, SPARSE blocks that 128 divides, no key_lengths, dropout, mask_mod
-or score function, and layouts TMA can read (``forward_persistent.row_view_rows``).
+or 128, lengths that 128 divides, SPARSE blocks that 128 divides and that divide the lengths, no
+key_lengths, dropout, mask_mod or score function, and layouts TMA can read (``forward_persistent.row_view_rows``).
 ``SPARSEFLASH_GLUON``: "auto" (default) where it was measured faster than the Triton forward (rows of
 ``AUTO_ROW_KEYS`` keys or more on average), "1" wherever it applies, "0" never.
 """
@@ -394,7 +394,9 @@ FORWARD_GLUON = Launcher(_attn_fwd_gluon)
 
 @functools.lru_cache(maxsize=None)
 def _shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if dtype is torch.bfloat16 else gl.float16)
+    """The shared-memory layout (swizzle) of a (rows, head_dim) TMA box of fp16/bf16."""
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if dtype is torch.bfloat16
+                                                else gl.float16)
 
 
 def _row_view(x: torch.Tensor, rows: int, block_rows: int) -> TensorDescriptor:

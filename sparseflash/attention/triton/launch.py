@@ -110,15 +110,17 @@ class Launcher:
         # costs one launch through Triton, which compiles nothing new where its own specialisation
         # is unchanged.
         return (driver.active.get_current_device(), tuple(constexprs.items()), scalars,
-                *[Launcher._tensor_key(t) for t in tensors])
+                *[(t.dtype, t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor) else Launcher._tensor_key(t)
+                  for t in tensors])
 
     @staticmethod
     def _tensor_key(t) -> tuple:
-        """A tensor's dtype and 16-byte alignment; a TMA descriptor's (Gluon's TensorDescriptor, whose
-        ``base`` is the tensor it reads) dtype, box and shared-memory layout: the kernel is specialised on
-        those, its shape and strides are arguments."""
+        """What ``_key`` keeps of a tensor argument that is not a torch tensor: a ``Standin``'s dtype and
+        alignment, as a tensor's; a TMA descriptor's (Gluon's TensorDescriptor, whose ``base`` is the
+        tensor it reads) dtype, box and shared-memory layout: the kernel is specialised on those, its
+        shape and strides are arguments."""
         base = getattr(t, "base", None)
-        if base is not None and not isinstance(t, torch.Tensor):
+        if base is not None:
             return base.dtype, tuple(t.block_shape), t.layout
         return t.dtype, t.data_ptr() % 16 == 0
 
