@@ -16,9 +16,9 @@ harness (experiments/bench.py) is the record.
 import argparse
 import contextlib
 import copy as copy_module
-import os
 import functools
 import itertools
+import os
 import statistics
 
 import torch
@@ -141,7 +141,10 @@ def with_triton_forward(mask, q, k, v):
         with torch.no_grad():
             sparseflash.attention(q, k, v, copy, backend="triton")
     finally:
-        os.environ.pop("SPARSEFLASH_GLUON") if before is None else os.environ.update(SPARSEFLASH_GLUON=before)
+        if before is None:
+            del os.environ["SPARSEFLASH_GLUON"]
+        else:
+            os.environ["SPARSEFLASH_GLUON"] = before
     return copy
 
 

@@ -26,12 +26,12 @@ Constexpr flags:
   STAGES         K/V buffers (>= 3: a consumer waits for K_{j+1} before it releases the buffers of
                  tile j-1, so that the wait's branch sits between the softmax and the wait for PV_{j-1}:
                  without one, ptxas hoists that wait above the softmax).
-  MAY_BE_EMPTY   a row may see no key (SPARSE): the softmax guards m = -inf and l = 0.
 
 Scores in base 2 as in forward.py: s * qk_scale with qk_scale = scale * log2(e); lse = (m + log2 l) ln 2;
-a row that sees no key stores o = 0, lse = -inf. A row of no tile still gets one: the producer loads
-the first tile its walk would take (for SPARSE the block at its table's first entry, a padding entry)
-and the consumers mask all of it, so that every loop has a first tile to peel.
+a row that sees no key (SPARSE: the softmax guards m = -inf and l = 0) stores o = 0, lse = -inf. A row
+of no tile still gets one: the producer loads the first tile its walk would take (for SPARSE the block
+at its table's first entry, a padding entry) and the consumers mask all of it, so that every loop has a
+first tile to peel.
 
 Applies (``applies``) on Hopper (capability 9.x) with Triton >= 3.6 to fp16/bf16 inputs of head dim 64
 or 128, lengths that 128 divides, SPARSE blocks that 128 divides and that divide the lengths, no
@@ -214,7 +214,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
               heads, q_len, kv_len, n_items, num_programs, qk_scale,
               WG: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
               SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, MAY_BE_EMPTY: gl.constexpr):
+              STAGES: gl.constexpr):
     """For each work item, rows [WG * 64, WG * 64 + 64) of its query tile: the online softmax over the key
     tiles the producer loads, then o (O seen as (rows, HEAD_DIM)) and the lse."""
     HALF_M: gl.constexpr = q_smem.type.shape[1]
@@ -226,6 +226,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     MY_TURN: gl.constexpr = 8 + WG
     THEIR_TURN: gl.constexpr = 9 - WG
+    MAY_BE_EMPTY: gl.constexpr = MASK_KIND == 2  # a SPARSE row may see no key
 
     q = q_smem.index(WG)
     rows_s = WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
@@ -343,13 +344,11 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                      FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m,
                      stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale,
-                     0, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES,
-                     MASK_KIND == 2)),
+                     0, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                      FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m,
                      stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale,
-                     1, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES,
-                     MASK_KIND == 2)),
+                     1, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                      FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
                      stride_kn, stride_vb, stride_vh, stride_vn, stride_num_b, stride_num_h, stride_num_m,

@@ -67,7 +67,7 @@ class LaunchPlan:
         persistent = "" if dropout or self._loads_per_score(mask, score_graph) else forward_persistent.mode(
             q, k, mask, has_key_lengths, self.padded_dim)
         element_mods = self.mask_mod is not None or self.score_mod is not None
-        self.gluon_forward = gluon_hopper(q.device) and _gluon_forward_applies(
+        self.gluon_forward = gluon_hopper(q.device) and forward_gluon().applies(
             q, k, mask, self.mean_row_keys, has_key_lengths, dropout, element_mods)
         score = "score-special" if score_graph is not None and score_graph.uses_special_functions else "score"
         mods = "+".join(name for name, on in (("mask", self.mask_mod is not None),
@@ -181,11 +181,12 @@ class LaunchPlan:
         )
 
 
-def _gluon_forward_applies(*args) -> bool:
-    """``forward_gluon.applies``, imported only where Gluon's Hopper API is there (``gluon_hopper``)."""
-    from sparseflash.attention.triton import forward_gluon
+def forward_gluon():
+    """The module forward_gluon.py, imported only where Gluon's Hopper API is there (``gluon_hopper``):
+    its kernels are defined at import."""
+    from sparseflash.attention.triton import forward_gluon as module
 
-    return forward_gluon.applies(*args)
+    return module
 
 
 def head_dim_parts(head_dim: int) -> dict:
