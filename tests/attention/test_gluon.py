@@ -75,6 +75,20 @@ def test_gpu_gluon_forward_matches_reference(pattern, shape, dim, dtype, monkeyp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dim, dtype", [(64, torch.float16), (128, torch.bfloat16)], ids=["d64-fp16", "d128-bf16"])
+@pytest.mark.parametrize("pattern", [p for p in MASKS if p != "causal"])
+def test_gpu_gluon_forward_many_items_a_program(pattern, dim, dtype, monkeypatch):
+    """Three programs for the 2 x 4 x 6 query tiles (16 each): the K/V ring, Q's buffer and the turns of the
+    consumers carried from one work item to the next (CAUSAL masks launch one item a program)."""
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    monkeypatch.setattr(forward_gluon, "multiprocessors", lambda device: 3)
+    q, k, v, do = _inputs("s768-bshd", dim, dtype)
+    check_backend("triton", q, k, v, MASKS[pattern](q.shape[2], k.shape[2], q.shape[1]), do)
+
+
+@pytest.mark.gpu
 def test_gpu_auto_takes_the_gluon_forward_on_long_rows(monkeypatch):
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")

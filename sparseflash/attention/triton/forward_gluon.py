@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from sparseflash.attention.triton.forward_persistent import row_view_rows
-from sparseflash.attention.triton.launch import Launcher
+from sparseflash.attention.triton.launch import Launcher, multiprocessors
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS
 from sparseflash.masks import MaskKind
@@ -237,6 +237,10 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
     turn = n_items  # a value the named barriers pass along, which orders them among the products
     used = 0  # key tiles consumed so far: the ring's position
     i = 0  # work items so far: the phase of q_ready
+    # The turns alternate strictly over all items: warpgroup 1 lets warpgroup 0 go first once, and warpgroup
+    # 0 takes a last turn after the last item, so that no arrival can meet another of the same warpgroup
+    if WG == 1:
+        turn = _named_arrive(8, turn)
     for item in range(gl.program_id(0), n_items, num_programs):
         bh, q_start, n_full, n_tiles, full_idx, part_idx = _work_item(
             item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m, stride_idx_b,
@@ -244,8 +248,6 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             SPARSE_BLOCK_N)
         n_loads = gl.maximum(n_tiles, 1)
         offs_m = q_start + rows_s
-        if WG == 1:
-            turn = _named_arrive(8, turn)  # warpgroup 0 goes first
         mbarrier.wait(q_ready, i & 1)
         mbarrier.wait(k_ready.index(used % STAGES), (used // STAGES) & 1)
         turn = _named_sync(MY_TURN, turn)
@@ -296,8 +298,6 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(kv_empty.index(last % STAGES))
         used += n_loads
-        if WG == 0:
-            turn = _named_sync(8, turn)  # warpgroup 1's last arrival, so that the barrier counts balance
         if MAY_BE_EMPTY:
             l_o = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), row_o)
         else:
@@ -309,6 +309,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         # the turn value joins the stores, so the named barriers are not dead code
         gl.store(LSE + out_row + rows_s, lse + (turn * 0).to(gl.float32))
         i += 1
+    if WG == 0:
+        turn = _named_sync(8, turn)  # warpgroup 1's last arrival, so that the barrier counts balance
 
 
 @gluon.jit(do_not_specialize=[*ROW_LENGTH_ARGS, "n_items"])
@@ -425,9 +427,10 @@ def launch(plan, q, k, v, o, lse, ahead: bool = False) -> bool:
         return False
     descriptors = (_row_view(q, rows[0], HALF_M), _row_view(k, rows[1], BLOCK_N), _row_view(v, rows[2], BLOCK_N))
     tables, table_strides = plan.tables_of("kv")
-    # One work item a program, the GPU handing out the next as a program ends (docs/kernels.md, "The Gluon
-    # forward": several a program need the consumers' turn-taking reworked at the items' boundary)
-    n_items = programs = plan.batch * plan.heads * (plan.q_len // BLOCK_M)
+    n_items = plan.batch * plan.heads * (plan.q_len // BLOCK_M)
+    # CAUSAL: one work item a program, the GPU handing out the next as a program ends. Items dealt out in
+    # turn left programs of only long rows beside programs of only short ones (0.72x at S=16384 on an H200)
+    programs = n_items if plan.kind is MaskKind.CAUSAL else min(n_items, multiprocessors(q.device))
     arguments = ((programs,), (*descriptors, o, lse, *tables),
                  (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *table_strides, plan.heads, plan.groups,
                   plan.q_len, plan.kv_len, n_items, programs, plan.qk_scale),
