@@ -2,9 +2,8 @@
 specialisation does not reach (docs/kernels.md, "The Gluon forward").
 
 A work item is one 128-row query tile of one (batch, head) (``_work_item``). A program takes items pid,
-pid + num_programs, ...; the launcher gives each item a program of its own (num_programs = n_items): with
-several a program, nothing but timing keeps one consumer's turn-taking arrival for the next item from
-meeting the other's last one of this item (docs/kernels.md, "The Gluon forward"). Three warpgroups:
+pid + num_programs, ...: a program per multiprocessor, or (CAUSAL, whose items differ in length) one item
+a program, the GPU handing out the next as one ends. Three warpgroups:
   producer   (24 registers a thread) loads each item's Q (two 64-row halves) once both consumers are
              done with the last one (``q_empty``), then each key tile's K and V by TMA into a ring of
              STAGES buffers that runs on from item to item; ``ready`` mbarriers say a buffer is full,
@@ -13,7 +12,9 @@ meeting the other's last one of this item (docs/kernels.md, "The Gluon forward")
              previous tile's P_{j-1} V_{j-1} together, waits for S_j only and computes the softmax of
              tile j while P_{j-1} V_{j-1} still runs on the tensor cores (the overlap inside a
              warpgroup); they also take turns issuing their products (named barriers 8 and 9), so
-             that one warpgroup's softmax runs under the other's products.
+             that one warpgroup's softmax runs under the other's products; the turns alternate strictly
+             over all of a program's items (warpgroup 1 arrives once before the item loop, warpgroup 0
+             syncs once after it), so that no arrival can meet another of the same warpgroup.
 
 Constexpr flags:
   MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): tiles 0.. of every key, of the keys up to
