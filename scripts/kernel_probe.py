@@ -5,8 +5,8 @@
 
 Prints one row per (head_dim, S, pattern, mode): median ms (triton.testing.do_bench, the peers
 taking turns in rounds) of sparseflash-triton, FlexAttention and SDPA, triton's TFLOP/s
-(density-weighted) and the ratios; ``--fa2-forward`` adds sparseflash with the Triton forward where
-it takes the Gluon one (forward_gluon.py), ``--flash`` Flex's FLASH backend (FlashAttention-4).
+(density-weighted) and the ratios; ``--no-gluon`` adds sparseflash with its Triton kernels where it takes
+the Gluon ones (forward_gluon.py, backward_gluon.py), ``--flash`` Flex's FLASH backend (FlashAttention-4).
 ``--sweep`` instead times every kernel (forward, and backward or dkdv and dq) of one fwd+bwd call over a wide grid of
 tile configs (taking turns), next to the one the tuner chose, and prints a CUDA-kernel profile of the call for
 sparseflash-triton and FlexAttention. A quick loop for kernel work (docs/kernels.md); the benchmark
@@ -130,8 +130,8 @@ def sweep(q, k, v, mask, flex_mask, kernels, only=None) -> None:
         profile_kernels(flex_step, "flex")
 
 
-def with_triton_forward(mask, q, k, v):
-    """A copy of ``mask`` whose calls on inputs like q, k, v take the Triton forward, not the Gluon one:
+def with_triton_kernels(mask, q, k, v):
+    """A copy of ``mask`` whose calls on inputs like q, k, v take the Triton kernels, not the Gluon ones:
     its launch plans are made here under SPARSEFLASH_GLUON=0 (a plan keeps its choice)."""
     copy = copy_module.copy(mask)
     copy.derived = {}  # where plans are kept
@@ -156,7 +156,7 @@ def main():
     parser.add_argument("--patterns", nargs="+", default=list(PATTERNS))
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--flash", action="store_true", help="also Flex's FLASH backend (FlashAttention-4)")
-    parser.add_argument("--fa2-forward", action="store_true", help="also sparseflash with the Triton forward")
+    parser.add_argument("--no-gluon", action="store_true", help="also sparseflash without its Gluon kernels")
     parser.add_argument("--sweep", action="store_true", help="time tile configs per kernel, profile one call")
     parser.add_argument("--kernels", nargs="+", default=list(SWEEP_GRID), help="the kernels --sweep times")
     parser.add_argument("--configs", nargs="+", help="--sweep only these, as BLOCK_M,BLOCK_N,WARPS,STAGES")
@@ -165,7 +165,7 @@ def main():
     if not args.sweep:
         ceilings()
     print("| D | S | pattern | mode | density | triton ms | TFLOP/s | flex ms | sdpa ms | flex/triton | sdpa/triton |"
-          " flash/triton | fa2/triton |")
+          " flash/triton | no-gluon/triton |")
     for dim in args.dims:
         heads = 2048 // dim
         for seq in args.seqs:
@@ -187,18 +187,18 @@ def main():
                     "flash": None if not args.flash else (
                         lambda q, k, v: flex_attention(q, k, v, mask, block_mask=flex_mask, dynamic=False,
                                                        backend="FLASH")),
-                    "fa2": None,
+                    "no-gluon": None,
                 }
-                if args.fa2_forward:
-                    fa2_mask = with_triton_forward(mask, q, k, v)
-                    peers["fa2"] = lambda q, k, v: sparseflash.attention(q, k, v, fa2_mask, backend="triton")
+                if args.no_gluon:
+                    triton_mask = with_triton_kernels(mask, q, k, v)
+                    peers["no-gluon"] = lambda q, k, v: sparseflash.attention(q, k, v, triton_mask, backend="triton")
                 for mode in args.modes:
                     ms = peer_medians(peers, q, k, v, mode)
                     flops = 4 * batch * heads * seq * seq * dim * mask.density * (1 if mode == "fwd" else 3.5)
                     print(f"| {dim} | {seq} | {name} | {mode} | {mask.density:.3f} | {ms['triton']:.3f} | "
                           f"{flops / ms['triton'] / 1e9:.0f} | {ms['flex']:.3f} | {ms['sdpa']:.3f} | "
                           f"{ms['flex'] / ms['triton']:.2f} | {ms['sdpa'] / ms['triton']:.2f} | "
-                          f"{ms['flash'] / ms['triton']:.2f} | {ms['fa2'] / ms['triton']:.2f} |", flush=True)
+                          f"{ms['flash'] / ms['triton']:.2f} | {ms['no-gluon'] / ms['triton']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The Gluon forward for Hopper (forward_gluon.py): which calls take it, and, on a Hopper GPU (``pytest -m
-gpu``), its outputs and the backward's gradients from them against the reference."""
+"""The Gluon kernels for Hopper (forward_gluon.py, backward_gluon.py): which calls take them, and, on a Hopper
+GPU (``pytest -m gpu``), their outputs and gradients against the reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="Triton without Gluon for Hopper")
-from sparseflash.attention.triton import forward_gluon  # noqa: E402
+import sparseflash  # noqa: E402
+from sparseflash.attention.triton import backward_gluon, forward_gluon, gluon_tools  # noqa: E402
 from sparseflash.attention.triton.launch import Launcher, Standin, gluon_hopper  # noqa: E402
 from sparseflash.attention.triton.plan import LaunchPlan  # noqa: E402
 from sparseflash.masks import from_layout, make  # noqa: E402
@@ -49,29 +50,49 @@ def _inputs(shape: str, dim: int, dtype: torch.dtype, heads: int = 4, kv_heads: 
     return tensor(heads, q_len), tensor(kv_heads, kv_len), tensor(kv_heads, kv_len), tensor(heads, q_len)
 
 
+def _spy_launches(monkeypatch) -> dict[str, list[bool]]:
+    """What each Gluon kernel's ``launch`` returned in the calls after this (True: it ran)."""
+    launched = {"forward": [], "backward": []}
+    for direction, module in (("forward", forward_gluon), ("backward", backward_gluon)):
+        def launch(*args, _original=module.launch, _direction=direction, **kwargs):
+            launched[_direction].append(_original(*args, **kwargs))
+            return launched[_direction][-1]
+
+        monkeypatch.setattr(module, "launch", launch)
+    return launched
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("dim", [64, 128], ids=["d64", "d128"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("pattern", list(MASKS))
-def test_gpu_gluon_forward_matches_reference(pattern, shape, dim, dtype, monkeypatch):
-    """o, lse and the gradients (the backward reads o and lse) against the reference; GQA (4 query heads
-    on 2 key/value heads); the Gluon forward launched for every call (SPARSEFLASH_GLUON=1)."""
+def test_gpu_gluon_kernels_match_reference(pattern, shape, dim, dtype, monkeypatch):
+    """o, lse and the gradients against the reference; GQA (4 query heads on 2 key/value heads); the Gluon
+    forward and backward launched for every call (SPARSEFLASH_GLUON=1)."""
     if not gluon_hopper(torch.device("cuda")):
-        pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
+        pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     q, k, v, do = _inputs(shape, dim, dtype)
     mask = MASKS[pattern](q.shape[2], k.shape[2], q.shape[1])
-    launched = []
-    original = forward_gluon.launch
-
-    def launch(*args, **kwargs):
-        launched.append(original(*args, **kwargs))
-        return launched[-1]
-
-    monkeypatch.setattr(forward_gluon, "launch", launch)
+    launched = _spy_launches(monkeypatch)
     check_backend("triton", q, k, v, mask, do)
-    assert launched and all(launched), f"the Gluon forward did not run: {launched}"
+    assert all(launched.values()) and all(map(all, launched.values())), f"a Gluon kernel did not run: {launched}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("pattern", ["dense", "causal"])
+def test_gpu_gluon_backward_of_query_tiles_of_64(pattern, dim, monkeypatch):
+    """192 queries on 256 keys: the Triton forward (its query tiles are 128), the Gluon backward (64)."""
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    q = torch.randn(2, 4, 192, dim, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(2, 2, 256, dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    launched = _spy_launches(monkeypatch)
+    check_backend("triton", q, k, v, MASKS[pattern](192, 256, 4), torch.randn_like(q))
+    assert not launched["forward"] and launched["backward"] and all(launched["backward"]), launched
 
 
 @pytest.mark.gpu
@@ -89,32 +110,55 @@ def test_gpu_gluon_forward_many_items_a_program(pattern, dim, dtype, monkeypatch
 
 
 @pytest.mark.gpu
-def test_gpu_auto_takes_the_gluon_forward_on_long_rows(monkeypatch):
+def test_gpu_deterministic_backward_repeats_bit_for_bit(monkeypatch):
+    """With deterministic algorithms asked for, two backwards of one call give the same bits, the Gluon
+    backward not launched."""
     if not gluon_hopper(torch.device("cuda")):
-        pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
+        pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    q, k, v, do = _inputs("s768-bshd", 128, torch.bfloat16)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    launched = _spy_launches(monkeypatch)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        o = sparseflash.attention(q, k, v, make("causal", 768), backend="triton")
+        first, second = (torch.autograd.grad(o, (q, k, v), do, retain_graph=True) for _ in range(2))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert not any(launched["backward"]), launched
+
+
+@pytest.mark.gpu
+def test_gpu_auto_takes_the_gluon_kernels_on_long_rows(monkeypatch):
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
     monkeypatch.delenv("SPARSEFLASH_GLUON", raising=False)
     q = torch.empty(1, 2, 4096, 128, dtype=torch.bfloat16, device="cuda")
-    assert LaunchPlan.of(q, q, make("causal", 4096), False, 128 ** -0.5).gluon_forward
-    assert not LaunchPlan.of(q, q, make("butterfly", 4096), False, 128 ** -0.5).gluon_forward
+    causal = LaunchPlan.of(q, q, make("causal", 4096), False, 128 ** -0.5)
+    assert causal.gluon_forward and causal.gluon_backward
+    butterfly = LaunchPlan.of(q, q, make("butterfly", 4096), False, 128 ** -0.5)  # 768 keys a row
+    assert not butterfly.gluon_forward and not butterfly.gluon_backward
 
 
 def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
     return torch.empty(2, 4, q_len, dim, dtype=dtype), torch.empty(2, 2, kv_len, dim, dtype=dtype)
 
 
-@pytest.mark.parametrize("case, takes", [
-    ("dense", True), ("causal", True), ("butterfly", True), ("local-causal-256", True),
-    ("fp32", False), ("d96", False), ("d256", False), ("q200", False), ("kv300", False), ("blocks-64", False),
-    ("ragged-last-block", False),
-    ("key-lengths", False), ("dropout", False), ("element-mods", False),
+@pytest.mark.parametrize("case, forward, backward", [
+    ("dense", True, True), ("causal", True, True), ("butterfly", True, True), ("local-causal-256", True, True),
+    ("fp32", False, False), ("d96", False, False), ("d256", False, False), ("q192", False, True),
+    ("q200", False, False), ("kv300", False, False), ("blocks-64", False, False), ("ragged-last-block", False, False),
+    ("key-lengths", False, False), ("dropout", False, False), ("element-mods", False, False),
 ], ids=str)
-def test_what_the_gluon_forward_takes(case, takes, monkeypatch):
-    """fp16/bf16 of head dim 64 or 128, lengths that 128 divides, SPARSE blocks that 128 divides and that
-    divide the lengths, no key_lengths, dropout, mask_mod or score function (SPARSEFLASH_GLUON=1; the GPU
-    and Triton are ``gluon_hopper``'s)."""
+def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
+    """fp16/bf16 of head dim 64 or 128, lengths that the tiles divide (forward: 128 and 128 rows, backward:
+    64 queries and 128 keys), SPARSE blocks that the tiles divide and that divide the lengths, no key_lengths,
+    dropout, mask_mod or score function (SPARSEFLASH_GLUON=1; the GPU and Triton are ``gluon_hopper``'s)."""
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
-    shapes = dict(fp32=dict(dtype=torch.float32), d96=dict(dim=96), d256=dict(dim=256), q200=dict(q_len=200),
-                  kv300=dict(kv_len=300))
+    shapes = dict(fp32=dict(dtype=torch.float32), d96=dict(dim=96), d256=dict(dim=256), q192=dict(q_len=192),
+                  q200=dict(q_len=200), kv300=dict(kv_len=300))
     q, k = _plan_inputs(**shapes.get(case, {}))
     if case in MASKS:
         mask = MASKS[case](q.shape[2], k.shape[2], q.shape[1])
@@ -126,7 +170,8 @@ def test_what_the_gluon_forward_takes(case, takes, monkeypatch):
     else:
         mask = make("dense", q.shape[2], k.shape[2])
     flags = dict(has_key_lengths=case == "key-lengths", dropout=case == "dropout", element_mods=case == "element-mods")
-    assert forward_gluon.applies(q, k, mask, 256, **flags) is takes
+    assert forward_gluon.applies(q, k, mask, 256, **flags) is forward
+    assert backward_gluon.applies(q, k, mask, 256, **flags) is backward
 
 
 def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
@@ -149,19 +194,53 @@ def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
         forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False)
 
 
-def test_no_gluon_forward_off_a_gpu():
-    """The interpreter runs no Gluon: a plan on the CPU takes the Triton forward whatever the shapes."""
+def test_gluon_backward_auto_takes_rows_of_many_keys(monkeypatch):
+    mask = make("dense", 256)
+    many = backward_gluon.AUTO_ROW_KEYS[128]
+    monkeypatch.delenv("SPARSEFLASH_GLUON", raising=False)
+    assert backward_gluon.applies(*_plan_inputs(), mask, many, False, False, False)
+    assert not backward_gluon.applies(*_plan_inputs(), mask, many - 128, False, False, False)
+    assert not backward_gluon.applies(*_plan_inputs(dim=64), mask, many, False, False, False)  # 64 needs more
+    assert backward_gluon.applies(*_plan_inputs(dim=64), mask, backward_gluon.AUTO_ROW_KEYS[64], False, False, False)
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    assert backward_gluon.applies(*_plan_inputs(dim=64), mask, 256, False, False, False)
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "0")
+    assert not backward_gluon.applies(*_plan_inputs(), mask, many, False, False, False)
+
+
+def test_no_gluon_kernels_off_a_gpu(monkeypatch):
+    """The interpreter runs no Gluon: a plan on the CPU takes the Triton kernels whatever the shapes."""
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     q, k = _plan_inputs()
     assert not gluon_hopper(q.device)
-    assert not LaunchPlan.of(q, k, make("dense", 256), False, 128 ** -0.5).gluon_forward
+    plan = LaunchPlan.of(q, k, make("dense", 256), False, 128 ** -0.5)
+    assert not plan.gluon_forward and not plan.gluon_backward
 
 
 def test_a_layout_tma_cannot_read_launches_nothing():
-    """``launch`` returns False (the Triton forward runs) for a head dim that is not contiguous."""
+    """``launch`` returns False (the Triton kernel runs) for a head dim that is not contiguous."""
     q = torch.randn(1, 2, 256, 128, 2, dtype=torch.bfloat16)[..., 0]
     assert q.stride(3) == 2
     plan = LaunchPlan.of(q, q, make("dense", 256), False, 128 ** -0.5)
     assert not forward_gluon.launch(plan, q, q, q, torch.empty_like(q), torch.empty(1, 2, 256))
+    stats = torch.empty(2, 256)
+    grads = [torch.empty(q.shape, dtype=q.dtype) for _ in range(3)]
+    assert not backward_gluon.launch(plan, q, q, q, q, stats, stats, *grads, 256)
+
+
+def test_deterministic_algorithms_keep_the_triton_backward():
+    """Under ``torch.use_deterministic_algorithms(True)`` the Gluon backward launches nothing (its dQ adds
+    land in any order), before it looks at the inputs."""
+    q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
+    plan = LaunchPlan.of(q, q, make("dense", 256), False, 128 ** -0.5)
+    stats = torch.empty(2, 256)
+    grads = [torch.empty(q.shape, dtype=q.dtype) for _ in range(3)]
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not backward_gluon.launch(plan, q, q, q, q, stats, stats, *grads, 256)
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def test_a_launch_key_tells_descriptors_by_dtype_and_box():
@@ -169,9 +248,9 @@ def test_a_launch_key_tells_descriptors_by_dtype_and_box():
     stand-in for an output keys as a tensor does."""
     x = torch.empty(2, 4, 256, 128, dtype=torch.bfloat16)
     y = torch.empty(2, 4, 512, 128, dtype=torch.bfloat16)
-    assert Launcher._tensor_key(forward_gluon._row_view(x, 2048, 128)) == Launcher._tensor_key(
-        forward_gluon._row_view(y, 4096, 128))
-    assert Launcher._tensor_key(forward_gluon._row_view(x, 2048, 64)) != Launcher._tensor_key(
-        forward_gluon._row_view(x, 2048, 128))
-    assert Launcher._tensor_key(forward_gluon._row_view(x, 2048, 64))[:2] == (torch.bfloat16, (64, 128))
+    assert Launcher._tensor_key(gluon_tools.row_view(x, 2048, 128)) == Launcher._tensor_key(
+        gluon_tools.row_view(y, 4096, 128))
+    assert Launcher._tensor_key(gluon_tools.row_view(x, 2048, 64)) != Launcher._tensor_key(
+        gluon_tools.row_view(x, 2048, 128))
+    assert Launcher._tensor_key(gluon_tools.row_view(x, 2048, 64))[:2] == (torch.bfloat16, (64, 128))
     assert Launcher._tensor_key(Standin(torch.bfloat16, (2, 4, 256, 128))) == (torch.bfloat16, True)

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
-from sparseflash.attention.triton.plan import LaunchPlan
+from sparseflash.attention.triton.plan import LaunchPlan, gluon_kernels
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, dropout_kept_tile, key_steps, key_tile_scores,
                                                listed_block, load_head_parts, load_part, load_seed, mma, mod_positions,
                                                modded_scores, row_term, row_tile_ranges, second_part_columns,
@@ -590,6 +590,9 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
              if t.requires_grad and t.dtype.is_floating_point else None for t in captures]
     mods = plan.mods_table(list(captures), grads)
+    if plan.gluon_backward and gluon_kernels("backward").launch(plan, q, k, v, do, lse2, delta, dq, dk, dv,
+                                                                stats_stride):
+        return dq, dk, dv, grads
     dropout_args = plan.dropout_args(dropout)
     for kernel, programs in _kernels(plan):
         run_tuned(kernel, plan.config_key, _launcher(plan, programs, q, k, v, do, lse2, delta, dq, dk, dv,
@@ -604,6 +607,8 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
     out = Standin(q.dtype, q.shape)  # o, do and dq
     stats = Standin(torch.float32, (plan.batch * plan.heads, stats_stride))
     _preprocess(plan, out, out, Standin(torch.float32, q.shape[:3]), None, stats, stats, stats_stride, ahead=True)
+    if plan.gluon_backward and gluon_kernels("backward").compile_ahead(plan, q, k, v, stats, stats_stride):
+        return
     mods = plan.mods_table(list(captures))
     for kernel, programs in _kernels(plan):
         cfg = planned(kernel, plan.config_key)

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from sparseflash.attention.triton import forward_decode, forward_persistent
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
-from sparseflash.attention.triton.plan import LaunchPlan, forward_gluon
+from sparseflash.attention.triton.plan import LaunchPlan, gluon_kernels
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_head_parts, load_seed,
                                                 row_tile_ranges, second_part_columns, store_head_parts)
 from sparseflash.attention.triton.tuning import KernelConfig, planned, run_tuned
@@ -134,7 +134,7 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
     ``plan.key_lengths_arg`` gives it; ``dropout``: a ``Dropout`` where the plan has one, else None."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    if plan.gluon_forward and forward_gluon().launch(plan, q, k, v, o, lse):
+    if plan.gluon_forward and gluon_kernels("forward").launch(plan, q, k, v, o, lse):
         return o, lse
     mods = plan.mods_table(list(captures))
     dropout_args = plan.dropout_args(dropout)
@@ -146,8 +146,8 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
 def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
     """Start compiling the forward kernels that ``attention_forward`` on these inputs will launch (none
     where that launch tunes first)."""
-    if plan.gluon_forward and forward_gluon().launch(plan, q, k, v, Standin(q.dtype, q.shape),
-                                              Standin(torch.float32, q.shape[:3]), ahead=True):
+    if plan.gluon_forward and gluon_kernels("forward").launch(plan, q, k, v, Standin(q.dtype, q.shape),
+                                                              Standin(torch.float32, q.shape[:3]), ahead=True):
         return
     name, launch = _kernel(plan)
     cfg = planned(name, plan.config_key)

@@ -44,48 +44,30 @@ key_lengths, dropout, mask_mod or score function, and layouts TMA can read (``fo
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from sparseflash.attention.triton.forward_persistent import row_view_rows
+from sparseflash.attention.triton import gluon_tools
+from sparseflash.attention.triton.gluon_tools import (named_arrive, named_sync, row_view, row_view_coords,
+                                                      tma_load)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS
 from sparseflash.masks import MaskKind
 
-# Triton 3.9 renamed Triton 3.6's TMA load (and removed the old name)
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
 HALF_M = 64  # query rows of a consumer warpgroup
 BLOCK_M = 2 * HALF_M
 BLOCK_N = 128
-HEAD_DIMS = (64, 128)
 STAGES = {64: 4, 128: 3}  # K/V buffers by head dim: 3 fill Hopper's shared memory at 128
 # "auto" takes it from this mean number of keys a query row walks, by head dim and whether the mask is
 # CAUSAL. On an H100 it ran 1.01-1.33x the Triton forward at or above them, 0.62-0.97x below (one item
 # a program: three warpgroups to start and a pipeline to fill for each); the Triton forward's CAUSAL at
 # head dim 128 is weaker (1.07x from 576 keys).
 AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, False): 4096}
-
-
-@gluon.jit
-def _named_sync(barrier: gl.constexpr, x):
-    """``bar.sync barrier, 256``: wait until both consumer warpgroups reach ``barrier`` (one may
-    have arrived there with ``_named_arrive``). Returns x, which orders it among x's uses."""
-    return gl.inline_asm_elementwise(f"bar.sync {barrier}, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _named_arrive(barrier: gl.constexpr, x):
-    """``bar.arrive barrier, 256``: let the other consumer warpgroup's ``_named_sync`` pass. Returns x."""
-    return gl.inline_asm_elementwise(f"bar.arrive {barrier}, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
-                                     is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -163,13 +145,6 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, strid
 
 
 @gluon.jit
-def _row_view_coords(b, h, row, stride_b, stride_h, stride_m):
-    """(row, column) in a ``row_view`` (rows of pitch stride_m) of element (b, h, row, 0)."""
-    offset = b.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h
-    return (offset // stride_m).to(gl.int32) + row, (offset % stride_m).to(gl.int32)
-
-
-@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
               FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -189,21 +164,21 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             SPARSE_BLOCK_N)
         b = bh // heads
         h = bh % heads
-        q_row, q_col = _row_view_coords(b, h, q_start, stride_qb, stride_qh, stride_qm)
-        k_row, k_col = _row_view_coords(b, h // groups, 0, stride_kb, stride_kh, stride_kn)
-        v_row, v_col = _row_view_coords(b, h // groups, 0, stride_vb, stride_vh, stride_vn)
+        q_row, q_col = row_view_coords(b, h, q_start, stride_qb, stride_qh, stride_qm)
+        k_row, k_col = row_view_coords(b, h // groups, 0, stride_kb, stride_kh, stride_kn)
+        v_row, v_col = row_view_coords(b, h // groups, 0, stride_vb, stride_vh, stride_vn)
         mbarrier.wait(q_empty, (i - 1) & 1, pred=i > 0)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
-        _tma_load(q_desc, [q_row + HALF_M, q_col], q_ready, q_smem.index(1))
+        tma_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
+        tma_load(q_desc, [q_row + HALF_M, q_col], q_ready, q_smem.index(1))
         for t in range(gl.maximum(n_tiles, 1)):  # a row of no tile loads a first one, which the consumers mask
             stage = loads % STAGES
             kv_start = _tile_start(t, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
             mbarrier.wait(kv_empty.index(stage), ((loads // STAGES) - 1) & 1, pred=loads >= STAGES)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [k_row + kv_start, k_col], k_ready.index(stage), k_smem.index(stage))
+            tma_load(k_desc, [k_row + kv_start, k_col], k_ready.index(stage), k_smem.index(stage))
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [v_row + kv_start, v_col], v_ready.index(stage), v_smem.index(stage))
+            tma_load(v_desc, [v_row + kv_start, v_col], v_ready.index(stage), v_smem.index(stage))
             loads += 1
         i += 1
 
@@ -241,7 +216,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
     # The turns alternate strictly over all items: warpgroup 1 lets warpgroup 0 go first once, and warpgroup
     # 0 takes a last turn after the last item, so that no arrival can meet another of the same warpgroup
     if WG == 1:
-        turn = _named_arrive(8, turn)
+        turn = named_arrive(8, turn)
     for item in range(gl.program_id(0), n_items, num_programs):
         bh, q_start, n_full, n_tiles, full_idx, part_idx = _work_item(
             item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m, stride_idx_b,
@@ -251,9 +226,9 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         offs_m = q_start + rows_s
         mbarrier.wait(q_ready, i & 1)
         mbarrier.wait(k_ready.index(used % STAGES), (used // STAGES) & 1)
-        turn = _named_sync(MY_TURN, turn)
+        turn = named_sync(MY_TURN, turn)
         s = warpgroup_mma(q, k_smem.index(used % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        turn = _named_arrive(THEIR_TURN, turn)
+        turn = named_arrive(THEIR_TURN, turn)
         s = warpgroup_mma_wait(0, deps=(s,))
         s = _masked(s, 0, n_full, offs_m, offs_n, full_idx, part_idx, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_N)
         if MAY_BE_EMPTY:
@@ -269,11 +244,11 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             tile = used + j
             stage = tile % STAGES
             prev = (tile - 1) % STAGES
-            turn = _named_sync(MY_TURN, turn)
+            turn = named_sync(MY_TURN, turn)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(prev), ((tile - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            turn = _named_arrive(THEIR_TURN, turn)
+            turn = named_arrive(THEIR_TURN, turn)
             s = warpgroup_mma_wait(1, deps=(s,))
             s = _masked(s, j, n_full, offs_m, offs_n, full_idx, part_idx, MASK_KIND, IS_CAUSAL, BLOCK_N,
                         SPARSE_BLOCK_N)
@@ -311,7 +286,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         gl.store(LSE + out_row + rows_s, lse + (turn * 0).to(gl.float32))
         i += 1
     if WG == 0:
-        turn = _named_sync(8, turn)  # warpgroup 1's last arrival, so that the barrier counts balance
+        turn = named_sync(8, turn)  # warpgroup 1's last arrival, so that the barrier counts balance
 
 
 @gluon.jit(do_not_specialize=[*ROW_LENGTH_ARGS, "n_items"])
@@ -361,52 +336,20 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM
 
 
 # ---------------------------------------------------------------------------------- when it applies
-def _choice() -> str:
-    choice = os.environ.get("SPARSEFLASH_GLUON", "auto")
-    if choice not in ("auto", "0", "1"):
-        raise ValueError(f"SPARSEFLASH_GLUON must be auto, 0 or 1; got {choice!r}")
-    return choice
-
-
 def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_lengths: bool, dropout: bool,
             element_mods: bool) -> bool:
     """Whether calls with these inputs and mask take this forward (on a GPU ``launch.gluon_hopper``
-    admits): fp16/bf16, a head dim it was built for, lengths that its tiles divide (SPARSE: that the mask
-    blocks divide, blocks that the tiles divide), no
-    key_lengths, dropout or element-level functions (``element_mods``: a mask_mod evaluated in some
-    tile, or a score function); with "auto", rows of ``row_keys`` keys on average, at least AUTO_ROW_KEYS's.
-    The layout of each call's tensors is checked at launch. A plan keeps the answer: SPARSEFLASH_GLUON
-    set later changes the plans made after it."""
-    choice = _choice()
-    if choice == "0":
-        return False
-    q_len, kv_len = q.shape[2], k.shape[2]
-    # SPARSE: blocks of whole tiles, and no ragged last block (the walk takes every tile of a listed block)
-    tiles_divide = q_len % BLOCK_M == 0 and kv_len % BLOCK_N == 0 and (
-        mask.kind is not MaskKind.SPARSE or all(length % block == 0 and block % tile == 0 for length, block, tile in
-                                                zip((q_len, kv_len), mask.block_size, (BLOCK_M, BLOCK_N))))
-    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] in HEAD_DIMS and tiles_divide
-            and (choice == "1" or row_keys >= AUTO_ROW_KEYS[q.shape[3], mask.kind is MaskKind.CAUSAL])
-            and not has_key_lengths and not dropout and not element_mods)
+    admits): ``gluon_tools.takes`` them, and with "auto", rows of ``row_keys`` keys on average, at least
+    AUTO_ROW_KEYS's. The layout of each call's tensors is checked at launch. A plan keeps the answer:
+    SPARSEFLASH_GLUON set later changes the plans made after it."""
+    value = gluon_tools.choice()
+    return value != "0" and gluon_tools.takes(q, k, mask, (BLOCK_M, BLOCK_N), has_key_lengths, dropout,
+                                              element_mods) and (
+        value == "1" or row_keys >= AUTO_ROW_KEYS[q.shape[3], mask.kind is MaskKind.CAUSAL])
 
 
 # ---------------------------------------------------------------------------------- launcher
 FORWARD_GLUON = Launcher(_attn_fwd_gluon)
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
-    """The shared-memory layout (swizzle) of a (rows, head_dim) TMA box of fp16/bf16."""
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if dtype is torch.bfloat16
-                                                else gl.float16)
-
-
-def _row_view(x: torch.Tensor, rows: int, block_rows: int) -> TensorDescriptor:
-    """A TMA descriptor of (block_rows, D) boxes over x (B, H, S, D) seen as ``rows`` rows of pitch
-    x.stride(2) (``row_view_rows``)."""
-    pitch, head_dim = x.stride(2), x.shape[3]
-    return TensorDescriptor(x, [rows, pitch], [pitch, 1], [block_rows, head_dim],
-                            _shared_layout(block_rows, head_dim, x.dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -426,7 +369,7 @@ def launch(plan, q, k, v, o, lse, ahead: bool = False) -> bool:
     rows = per_layout[layout]
     if rows is None:
         return False
-    descriptors = (_row_view(q, rows[0], HALF_M), _row_view(k, rows[1], BLOCK_N), _row_view(v, rows[2], BLOCK_N))
+    descriptors = (row_view(q, rows[0], HALF_M), row_view(k, rows[1], BLOCK_N), row_view(v, rows[2], BLOCK_N))
     tables, table_strides = plan.tables_of("kv")
     n_items = plan.batch * plan.heads * (plan.q_len // BLOCK_M)
     # CAUSAL: one work item a program, the GPU handing out the next as a program ends. Items dealt out in

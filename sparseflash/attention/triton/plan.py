@@ -10,6 +10,8 @@ an H100 host.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import triton
 
@@ -67,8 +69,9 @@ class LaunchPlan:
         persistent = "" if dropout or self._loads_per_score(mask, score_graph) else forward_persistent.mode(
             q, k, mask, has_key_lengths, self.padded_dim)
         element_mods = self.mask_mod is not None or self.score_mod is not None
-        self.gluon_forward = gluon_hopper(q.device) and forward_gluon().applies(
-            q, k, mask, self.mean_row_keys, has_key_lengths, dropout, element_mods)
+        gluon_inputs = (q, k, mask, self.mean_row_keys, has_key_lengths, dropout, element_mods)
+        self.gluon_forward = gluon_hopper(q.device) and gluon_kernels("forward").applies(*gluon_inputs)
+        self.gluon_backward = gluon_hopper(q.device) and gluon_kernels("backward").applies(*gluon_inputs)
         score = "score-special" if score_graph is not None and score_graph.uses_special_functions else "score"
         mods = "+".join(name for name, on in (("mask", self.mask_mod is not None),
                                               (score, self.score_mod is not None), ("dropout", dropout)) if on)
@@ -181,12 +184,10 @@ class LaunchPlan:
         )
 
 
-def forward_gluon():
-    """The module forward_gluon.py, imported only where Gluon's Hopper API is there (``gluon_hopper``):
-    its kernels are defined at import."""
-    from sparseflash.attention.triton import forward_gluon as module
-
-    return module
+def gluon_kernels(direction: str):
+    """The module forward_gluon.py or backward_gluon.py (``direction`` "forward" or "backward"), imported
+    only where Gluon's Hopper API is there (``gluon_hopper``): its kernels are defined at import."""
+    return importlib.import_module(f"sparseflash.attention.triton.{direction}_gluon")
 
 
 def head_dim_parts(head_dim: int) -> dict:

@@ -1,0 +1,394 @@
+"""The backward for Hopper written in Gluon: FlashAttention-3's structure, dK, dV and dQ in one pass, dQ added
+by TMA reduce-add (docs/kernels.md, "The Gluon backward").
+
+A program holds one 128-key tile of one (batch, key/value head): the longest columns first, every key tile
+of a head next to each other (programs that stream the same queries run together, and share them in L2).
+It walks the query tiles (64 rows) that see its keys, for each query head of its GQA group in turn. Three
+warpgroups:
+  producer   (24 registers a thread) loads K and V once (two 64-row halves each), then Q_i and dO_i of each
+             query tile by TMA into a ring of STAGES buffers (``q_ready`` / ``q_empty`` mbarriers, two
+             arrivals on ``q_empty``, one per consumer).
+  consumers  two warpgroups, warpgroup w owning keys [64 w, 64 w + 64) of the tile. For each query tile:
+             S^T = K_w Q^T and dP^T = V_w dO^T (64 x 64 each, issued together, S^T waited first);
+             P^T = exp2(S^T * qk_scale - lse2) under dP^T; dS^T = P^T (dP^T - delta); both to shared
+             memory, then dV_w += P^T dO and dK_w += dS^T Q; the two warpgroups meet (named barrier 10)
+             once both halves of dS^T are in shared memory, and warpgroup w computes columns
+             [w D/2, (w + 1) D/2) of dQ_i = dS K (64 x D/2, 32 fp32 registers a thread) and adds them to
+             an fp32 accumulator by TMA reduce-add from shared memory. dS^T has two buffers: a warpgroup
+             rewrites one only after the barrier of the next tile, which the other passes only after its
+             dQ product that read it.
+dQ accumulates in fp32 (B, H, q_len, D), scaled and converted after the kernel; the adds land in any order,
+so under ``torch.use_deterministic_algorithms(True)`` the (deterministic) Triton backward runs instead. Keeping dK and dV (64 + 64
+fp32 registers a thread at head dim 128) and the 64 x 64 score tiles leaves no room to issue the next tile's
+products before the current dQ is stored (they spill, and ptxas then serialises every wgmma).
+
+Constexpr flags:
+  MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): query tiles 0.., those from the key tile's
+                 first key on, or those of the blocks listed in the column tables (FULL_*, then PART_*).
+  IS_CAUSAL      SPARSE only: the partial blocks are cut by q_idx >= kv_idx (top-left alignment), the only
+                 element mask this kernel applies.
+  SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
+  HEAD_DIM       64 or 128.
+  STAGES         Q/dO buffers.
+
+Scores in base 2 as in backward.py: p = exp2(s * qk_scale - lse2) with lse2 = lse * log2(e) from the
+preprocess (+inf for a row that saw no key: p = 0); dK = scale * sum dS^T Q, dQ = scale * sum dS K.
+
+Applies (``applies``) on Hopper with Triton >= 3.6 where ``gluon_tools.takes`` the inputs (query tiles of
+64, key tiles of 128) and the layouts TMA can read; ``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS``
+keys or more on average, "1" wherever it applies, "0" never.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from sparseflash.attention.triton import gluon_tools
+from sparseflash.attention.triton.forward_persistent import row_view_rows
+from sparseflash.attention.triton.gluon_tools import named_sync, row_view, row_view_coords, tma_load, tma_reduce_add
+from sparseflash.attention.triton.launch import Launcher, Standin
+from sparseflash.attention.triton.plan import KIND_CODES
+
+BLOCK_M = 64  # query rows of a streamed tile
+BLOCK_N = 128  # keys a program holds, 64 a consumer warpgroup
+STAGES = 2  # Q/dO buffers: with the dS^T, P^T and dQ staging buffers they fill shared memory at head dim 128
+# "auto" takes it from this mean number of keys a query row walks, by head dim. On an H100 it ran 1.04-1.28x
+# the Triton backward at or above them, 0.77-0.99x below (docs/results/h100_gluon_backward)
+AUTO_ROW_KEYS = {128: 1024, 64: 4096}
+# the column tables' strides change with the lengths: new lengths compile nothing new
+TABLE_STRIDE_ARGS = ["stride_num_b", "stride_num_h", "stride_num_n", "stride_idx_b", "stride_idx_h", "stride_idx_n"]
+
+
+@gluon.jit
+def _program_tile(kv_len, BLOCK_N: gl.constexpr):
+    """(batch * key/value head, first key) of this program: the key tiles of a head in turn."""
+    tiles = kv_len // BLOCK_N
+    return gl.program_id(0) // tiles, (gl.program_id(0) % tiles) * BLOCK_N
+
+
+@gluon.jit
+def _column(b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND: gl.constexpr,
+            BLOCK_M: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
+    """The query tiles of head h (of batch b) that see the key tile at kv_start: (first, n_full, n_tiles,
+    full_idx, part_idx), tile t of the walk at ``_query_start``: DENSE every tile, CAUSAL the tiles from
+    the key tile's first key on (first), SPARSE the tiles of the listed full blocks (n_full), then of the
+    partial ones."""
+    first = 0
+    full_idx = FULL_IDX
+    part_idx = PART_IDX
+    if MASK_KIND == 2:
+        tiles_per_block: gl.constexpr = SPARSE_BLOCK_M // BLOCK_M
+        column = kv_start // SPARSE_BLOCK_N
+        num_off = b * stride_num_b + h * stride_num_h + column * stride_num_n
+        idx_off = b * stride_idx_b + h * stride_idx_h + column * stride_idx_n
+        n_full = gl.load(FULL_NUM + num_off) * tiles_per_block
+        n_tiles = n_full + gl.load(PART_NUM + num_off) * tiles_per_block
+        full_idx = FULL_IDX + idx_off
+        part_idx = PART_IDX + idx_off
+    elif MASK_KIND == 1:
+        first = kv_start // BLOCK_M
+        n_tiles = gl.maximum(q_len // BLOCK_M - first, 0)
+        n_full = 0
+    else:
+        n_tiles = q_len // BLOCK_M
+        n_full = n_tiles
+    return first, n_full, n_tiles, full_idx, part_idx
+
+
+@gluon.jit
+def _query_start(t, first, n_full, full_idx, part_idx, MASK_KIND: gl.constexpr, BLOCK_M: gl.constexpr,
+                 SPARSE_BLOCK_M: gl.constexpr):
+    """First query of tile t of a ``_column`` walk."""
+    if MASK_KIND == 2:
+        tiles_per_block: gl.constexpr = SPARSE_BLOCK_M // BLOCK_M
+        if t < n_full:
+            block = gl.load(full_idx + t // tiles_per_block)
+        else:
+            block = gl.load(part_idx + (t - n_full) // tiles_per_block)
+        return block * SPARSE_BLOCK_M + (t % tiles_per_block) * BLOCK_M
+    else:
+        return (first + t) * BLOCK_M
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
+              v_smem, kv_ready, q_ready, q_empty,
+              FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+              stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+              stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride,
+              MASK_KIND: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+              SPARSE_BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """K and V of the program's key tile, then Q, dO, lse2 and delta of each query tile of its walk into the
+    ring's next buffer once both consumers released the tile it held."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    bk, kv_start = _program_tile(kv_len, BLOCK_N)
+    kv_heads = heads // groups
+    b = bk // kv_heads
+    kv_head = bk % kv_heads
+    k_row, k_col = row_view_coords(b, kv_head, kv_start, stride_kb, stride_kh, stride_kn)
+    v_row, v_col = row_view_coords(b, kv_head, kv_start, stride_vb, stride_vh, stride_vn)
+    mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
+    tma_load(k_desc, [k_row, k_col], kv_ready, k_smem.slice(0, HALF_N))
+    tma_load(k_desc, [k_row + HALF_N, k_col], kv_ready, k_smem.slice(HALF_N, HALF_N))
+    tma_load(v_desc, [v_row, v_col], kv_ready, v_smem.slice(0, HALF_N))
+    tma_load(v_desc, [v_row + HALF_N, v_col], kv_ready, v_smem.slice(HALF_N, HALF_N))
+    n = 0  # query tiles loaded so far: the ring's position
+    for g in range(groups):
+        h = kv_head * groups + g
+        first, n_full, n_tiles, full_idx, part_idx = _column(
+            b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
+            SPARSE_BLOCK_N)
+        stats_row = (b * heads + h) * stats_stride
+        q_row, q_col = row_view_coords(b, h, 0, stride_qb, stride_qh, stride_qm)
+        do_row, do_col = row_view_coords(b, h, 0, stride_dob, stride_doh, stride_dom)
+        for t in range(n_tiles):
+            q_start = _query_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            stage = n % STAGES
+            mbarrier.wait(q_empty.index(stage), ((n // STAGES) - 1) & 1, pred=n >= STAGES)
+            mbarrier.expect(q_ready.index(stage), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+            tma_load(q_desc, [q_row + q_start, q_col], q_ready.index(stage), q_smem.index(stage))
+            tma_load(do_desc, [do_row + q_start, do_col], q_ready.index(stage), do_smem.index(stage))
+            tma_load(lse_desc, [stats_row + q_start], q_ready.index(stage), lse_smem.index(stage))
+            tma_load(delta_desc, [stats_row + q_start], q_ready.index(stage), delta_smem.index(stage))
+            n += 1
+
+
+@gluon.jit
+def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready,
+              q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+              stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale,
+              scale, WG: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end
+    (DK, DV: (B, key/value heads, kv_len, HEAD_DIM) contiguous), and its half of each tile's dQ columns."""
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_D, 16])
+    bk, kv_start = _program_tile(kv_len, BLOCK_N)
+    kv_heads = heads // groups
+    b = bk // kv_heads
+    kv_head = bk % kv_heads
+    my_keys = k_smem.slice(WG * HALF_N, HALF_N)
+    my_values = v_smem.slice(WG * HALF_N, HALF_N)
+    my_k_columns = k_smem.slice(WG * HALF_D, HALF_D, dim=1)
+    offs_kv = kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    cols_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
+    zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    sync = heads  # a value the named barrier passes along, which orders it among the products
+    n = 0  # query tiles consumed so far: the ring's position
+    mbarrier.wait(kv_ready, 0)
+    for g in range(groups):
+        h = kv_head * groups + g
+        first, n_full, n_tiles, full_idx, part_idx = _column(
+            b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
+            SPARSE_BLOCK_N)
+        bh = b * heads + h
+        for t in range(n_tiles):
+            q_start = _query_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            stage = n % STAGES
+            q = q_smem.index(stage)
+            do = do_smem.index(stage)
+            mbarrier.wait(q_ready.index(stage), (n // STAGES) & 1)
+            s_t = warpgroup_mma(my_keys, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_t = warpgroup_mma(my_values, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_t = warpgroup_mma_wait(1, deps=(s_t,))
+            p_t = gl.exp2(s_t * qk_scale - lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
+            if MASK_KIND == 1:
+                if q_start < kv_start + BLOCK_N:  # the tiles across the diagonal
+                    p_t = gl.where((q_start + cols_q)[None, :] >= offs_kv[:, None], p_t, 0.0)
+            elif IS_CAUSAL:
+                if t >= n_full:  # the partial blocks
+                    p_t = gl.where((q_start + cols_q)[None, :] >= offs_kv[:, None], p_t, 0.0)
+            p_smem.store(p_t.to(p_smem.dtype))
+            dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+            ds_t = p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
+            ds_tile = ds_smem.index(n % 2)
+            my_ds = ds_tile.slice(WG * HALF_N, HALF_N)
+            my_ds.store(ds_t.to(ds_smem.dtype))
+            fence_async_shared()
+            dv = warpgroup_mma(p_smem, do, dv, is_async=True)
+            dk = warpgroup_mma(my_ds, q, dk, is_async=True)
+            sync = named_sync(10, sync)  # both halves of dS^T are in shared memory
+            dq = warpgroup_mma(ds_tile.permute((1, 0)), my_k_columns, zero_dq + (sync * 0).to(gl.float32),
+                               use_acc=False, is_async=True)
+            dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+            mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
+            tma.store_wait(0)  # the last reduce has read the staging buffer
+            dq_smem.store(dq)
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [bh * q_len + q_start, WG * HALF_D], dq_smem)
+            n += 1
+    rows = bk * kv_len + kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    offs = rows.to(gl.int64)[:, None] * HEAD_DIM + cols[None, :]
+    gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty))
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
+def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM,
+                    PART_IDX, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                    stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h,
+                    stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len,
+                    stats_stride, qk_scale, scale,
+                    MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+                    SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """One program per (batch, key/value head, 128-key tile) (``_program_tile``). q/k/v/do_desc read Q, K, V,
+    dO as ``row_view`` matrices in (64, HEAD_DIM) boxes; dq_desc the fp32 dQ accumulator (B * H * q_len,
+    HEAD_DIM) in (64, HEAD_DIM / 2) boxes; lse_desc and delta_desc lse2 and delta (B * H * stats_stride,
+    from the preprocess) in boxes of 64."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = 2 * k_desc.block_type.shape[0]
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], q_desc.dtype)
+    p_smem0 = gl.allocate_shared_memory(q_desc.dtype, [HALF_N, BLOCK_M], p_layout)
+    p_smem1 = gl.allocate_shared_memory(q_desc.dtype, [HALF_N, BLOCK_M], p_layout)
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+    dq_smem1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
+    gl.warp_specialize([
+        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, p_smem0, dq_smem0, kv_ready,
+                     q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b,
+                     stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
+                     kv_len, qk_scale, scale,
+                     0, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, p_smem1, dq_smem1, kv_ready,
+                     q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b,
+                     stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
+                     kv_len, qk_scale, scale,
+                     1, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+                     k_smem, v_smem, kv_ready, q_ready, q_empty,
+                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+                     stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b,
+                     stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
+                     kv_len, stats_stride, MASK_KIND, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, STAGES)),
+    ], [4, 4], [240, 24])  # registers a thread: the consumers' dK, dV and tiles take 240, the producer's loads 24
+
+
+# ---------------------------------------------------------------------------------- when it applies
+def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_lengths: bool, dropout: bool,
+            element_mods: bool) -> bool:
+    """Whether calls with these inputs and mask take this backward (on a GPU ``launch.gluon_hopper``
+    admits): ``gluon_tools.takes`` them, and with "auto", rows of ``row_keys`` keys on average, at least
+    AUTO_ROW_KEYS's. The layouts are checked at launch."""
+    value = gluon_tools.choice()
+    return value != "0" and gluon_tools.takes(q, k, mask, (BLOCK_M, BLOCK_N), has_key_lengths, dropout,
+                                              element_mods) and (
+        value == "1" or row_keys >= AUTO_ROW_KEYS[q.shape[3]])
+
+
+# ---------------------------------------------------------------------------------- launcher
+BACKWARD_GLUON = Launcher(_attn_bwd_gluon)
+
+
+@functools.lru_cache(maxsize=None)
+def _dq_layout():
+    # fp32 rows of 128 bytes a swizzle atom: TMA reduces at ~1.8x the rate of unswizzled boxes (H100)
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+
+
+def _dq_accumulator(rows: int, head_dim: int, device) -> tuple[torch.Tensor, TensorDescriptor]:
+    dq_acc = torch.zeros(rows, head_dim, dtype=torch.float32, device=device)
+    return dq_acc, TensorDescriptor(dq_acc, [rows, head_dim], [head_dim, 1], [BLOCK_M, head_dim // 2], _dq_layout())
+
+
+@functools.lru_cache(maxsize=None)
+def _stats_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+def _stats(x: torch.Tensor) -> TensorDescriptor:
+    """A TMA descriptor of 64-row boxes over lse2 or delta (B * H, stats_stride), seen flat."""
+    return TensorDescriptor(x, [x.numel()], [1], [BLOCK_M], _stats_layout())
+
+
+@functools.lru_cache(maxsize=None)
+def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], head_dim: int) -> dict:
+    return dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, SPARSE_BLOCK_M=sparse_block[0],
+                SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=head_dim, STAGES=STAGES, num_warps=4)
+
+
+def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, stats_stride: int, ahead: bool = False) -> bool:
+    """Compute dq, dk, dv (contiguous) on a problem ``applies`` admits, from ``lse2`` and ``delta`` of the
+    preprocess (``ahead``: only compile, with ``Standin``s for do and all past it); False (nothing
+    launched) where TMA cannot read one of q, k, v, do's layouts, or where torch is asked for deterministic
+    algorithms (``torch.use_deterministic_algorithms``): dQ's TMA adds land in any order, so its last bits
+    vary from run to run, and the Triton backward's do not."""
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    per_layout = plan.per_layout.setdefault("gluon_backward", {})
+    layout = tuple((x.stride(), x.data_ptr() % 16) for x in (q, k, v, do))
+    if layout not in per_layout:
+        rows = [row_view_rows(x) for x in (q, k, v, do)]
+        per_layout[layout] = None if None in rows else rows
+    rows = per_layout[layout]
+    if rows is None:
+        return False
+    q_desc = row_view(q, rows[0], BLOCK_M)
+    # compiled ahead with q's descriptor in place of dO's: a descriptor's key is its dtype, box and layout
+    descriptors = (q_desc, row_view(k, rows[1], BLOCK_N // 2), row_view(v, rows[2], BLOCK_N // 2),
+                   q_desc if ahead else row_view(do, rows[3], BLOCK_M))
+    dq_rows = plan.batch * plan.heads * plan.q_len
+    dq_acc, dq_desc = _dq_accumulator(BLOCK_M if ahead else dq_rows, q.shape[3], q.device)
+    # compiled ahead with the accumulator's storage for the statistics: their descriptors key alike
+    lse_desc, delta_desc = (_stats(dq_acc), _stats(dq_acc)) if ahead else (_stats(lse2), _stats(delta))
+    tables, table_strides = plan.tables_of("q")
+    do_strides = q.stride()[:3] if ahead else do.stride()[:3]
+    arguments = ((plan.batch * plan.kv_heads * (plan.kv_len // BLOCK_N),),
+                 (*descriptors, dq_desc, lse_desc, delta_desc, dk, dv, *tables),
+                 (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do_strides, *table_strides, plan.heads,
+                  plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
+                 _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, q.shape[3]))
+    if ahead:
+        BACKWARD_GLUON.compile_ahead(*arguments)
+        return True
+    BACKWARD_GLUON(*arguments)
+    torch.mul(dq_acc.view(dq.shape), plan.scale, out=dq)
+    return True
+
+
+def compile_ahead(plan, q, k, v, stats: Standin, stats_stride: int) -> bool:
+    """Start compiling the kernel ``launch`` will run after a forward on q, k, v; False where it will not."""
+    out = Standin(q.dtype, q.shape)
+    return launch(plan, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape), Standin(v.dtype, v.shape),
+                  stats_stride, ahead=True)

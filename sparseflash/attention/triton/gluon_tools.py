@@ -1,0 +1,94 @@
+"""What the Gluon kernels for Hopper (forward_gluon.py, backward_gluon.py) share: TMA copies in the names
+Triton 3.6 and 3.9 give them, named barriers between two consumer warpgroups, TMA descriptors over the
+row views of (B, H, S, D) tensors, and the ``SPARSEFLASH_GLUON`` switch."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import builtin
+
+from sparseflash.masks import MaskKind
+
+# Triton 3.9 renamed Triton 3.6's TMA load (and removed the old name)
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@builtin
+def tma_reduce_add(desc, coord, src, _semantic=None):
+    """Add the shared-memory tile ``src`` into the tensor of TMA descriptor ``desc`` at ``coord``
+    (``cp.reduce.async.bulk.tensor...add``; wait for it to have read ``src`` with ``tma.store_wait``).
+    Triton 3.9 calls it ``tma.async_atomic_add``; 3.6 builds the same operation but has no Gluon name for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def named_sync(barrier: gl.constexpr, x):
+    """``bar.sync barrier, 256``: wait until both consumer warpgroups reach ``barrier`` (one may
+    have arrived there with ``named_arrive``). Returns x, which orders it among x's uses."""
+    return gl.inline_asm_elementwise(f"bar.sync {barrier}, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def named_arrive(barrier: gl.constexpr, x):
+    """``bar.arrive barrier, 256``: let the other consumer warpgroup's ``named_sync`` pass. Returns x."""
+    return gl.inline_asm_elementwise(f"bar.arrive {barrier}, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def row_view_coords(b, h, row, stride_b, stride_h, stride_m):
+    """(row, column) in a ``row_view`` (rows of pitch stride_m) of element (b, h, row, 0)."""
+    offset = b.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h
+    return (offset // stride_m).to(gl.int32) + row, (offset % stride_m).to(gl.int32)
+
+
+def choice() -> str:
+    """``SPARSEFLASH_GLUON``: "auto" (the default: the Gluon kernels where they were measured faster), "1"
+    (wherever they apply) or "0" (never)."""
+    value = os.environ.get("SPARSEFLASH_GLUON", "auto")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"SPARSEFLASH_GLUON must be auto, 0 or 1; got {value!r}")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def shared_layout(rows: int, columns: int, dtype: torch.dtype):
+    """The shared-memory layout (swizzle) of a (rows, columns) TMA box of fp16/bf16/fp32."""
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([rows, columns], element)
+
+
+def row_view(x: torch.Tensor, rows: int, block_rows: int) -> TensorDescriptor:
+    """A TMA descriptor of (block_rows, D) boxes over x (B, H, S, D) seen as ``rows`` rows of pitch
+    x.stride(2) (``forward_persistent.row_view_rows``)."""
+    pitch, head_dim = x.stride(2), x.shape[3]
+    return TensorDescriptor(x, [rows, pitch], [pitch, 1], [block_rows, head_dim],
+                            shared_layout(block_rows, head_dim, x.dtype))
+
+
+HEAD_DIMS = (64, 128)  # the head dims the Gluon kernels are built for
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, mask, tiles: tuple[int, int], has_key_lengths: bool, dropout: bool,
+          element_mods: bool) -> bool:
+    """Whether a Gluon kernel of (query, key) tiles ``tiles`` can compute these inputs and mask: fp16/bf16,
+    a head dim of HEAD_DIMS, lengths that the tiles divide (SPARSE: that the mask blocks divide, blocks that
+    the tiles divide: a walk takes every tile of a listed block, so a ragged last block would read past the
+    lengths), no key_lengths, dropout or element-level functions (``element_mods``: a mask_mod evaluated in
+    some tile, or a score function)."""
+    lengths = (q.shape[2], k.shape[2])
+    tiles_divide = all(length % tile == 0 for length, tile in zip(lengths, tiles)) and (
+        mask.kind is not MaskKind.SPARSE or all(length % block == 0 and block % tile == 0 for length, block, tile in
+                                                zip(lengths, mask.block_size, tiles)))
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] in HEAD_DIMS and tiles_divide
+            and not has_key_lengths and not dropout and not element_mods)
