@@ -1,4 +1,5 @@
-"""FlashAttention-2 backward: a preprocess kernel, then one kernel for dK/dV and dQ (no atomics).
+"""FlashAttention-2 backward: a preprocess kernel, then one kernel for dK/dV and dQ (no atomics). On Hopper,
+the Gluon backward (backward_gluon.py, ``plan.gluon_backward``) may take the call after the preprocess.
 
 Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, SPARSE_BLOCK_M,
 SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS), and
