@@ -52,7 +52,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.forward_persistent import row_view_rows
-from sparseflash.attention.triton.gluon_tools import named_sync, row_view, row_view_coords, tma_load, tma_reduce_add
+from sparseflash.attention.triton.gluon_tools import (named_sync, row_view, row_view_coords, tma_load, tma_reduce_add,
+                                                      walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, Standin
 from sparseflash.attention.triton.plan import KIND_CODES
 
@@ -78,7 +79,7 @@ def _column(b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, strid
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND: gl.constexpr,
             BLOCK_M: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
     """The query tiles of head h (of batch b) that see the key tile at kv_start: (first, n_full, n_tiles,
-    full_idx, part_idx), tile t of the walk at ``_query_start``: DENSE every tile, CAUSAL the tiles from
+    full_idx, part_idx), tile t of the walk at ``gluon_tools.walk_tile_start``: DENSE every tile, CAUSAL the tiles from
     the key tile's first key on (first), SPARSE the tiles of the listed full blocks (n_full), then of the
     partial ones."""
     first = 0
@@ -101,21 +102,6 @@ def _column(b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, strid
         n_tiles = q_len // BLOCK_M
         n_full = n_tiles
     return first, n_full, n_tiles, full_idx, part_idx
-
-
-@gluon.jit
-def _query_start(t, first, n_full, full_idx, part_idx, MASK_KIND: gl.constexpr, BLOCK_M: gl.constexpr,
-                 SPARSE_BLOCK_M: gl.constexpr):
-    """First query of tile t of a ``_column`` walk."""
-    if MASK_KIND == 2:
-        tiles_per_block: gl.constexpr = SPARSE_BLOCK_M // BLOCK_M
-        if t < n_full:
-            block = gl.load(full_idx + t // tiles_per_block)
-        else:
-            block = gl.load(part_idx + (t - n_full) // tiles_per_block)
-        return block * SPARSE_BLOCK_M + (t % tiles_per_block) * BLOCK_M
-    else:
-        return (first + t) * BLOCK_M
 
 
 @gluon.jit
@@ -153,7 +139,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_
         q_row, q_col = row_view_coords(b, h, 0, stride_qb, stride_qh, stride_qm)
         do_row, do_col = row_view_coords(b, h, 0, stride_dob, stride_doh, stride_dom)
         for t in range(n_tiles):
-            q_start = _query_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
             stage = n % STAGES
             mbarrier.wait(q_empty.index(stage), ((n // STAGES) - 1) & 1, pred=n >= STAGES)
             mbarrier.expect(q_ready.index(stage), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
@@ -206,7 +192,7 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, p_
             SPARSE_BLOCK_N)
         bh = b * heads + h
         for t in range(n_tiles):
-            q_start = _query_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
             stage = n % STAGES
             q = q_smem.index(stage)
             do = do_smem.index(stage)

@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from sparseflash.attention.triton.forward_persistent import row_view_rows
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.gluon_tools import (named_arrive, named_sync, row_view, row_view_coords,
-                                                      tma_load)
+                                                      tma_load, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS
@@ -71,29 +71,13 @@ AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, Fa
 
 
 @gluon.jit
-def _tile_start(t, n_full, full_idx, part_idx, MASK_KIND: gl.constexpr, BLOCK_N: gl.constexpr,
-                SPARSE_BLOCK_N: gl.constexpr):
-    """First key of key tile t of the walk: t * BLOCK_N, or (SPARSE) its place in the t-th tile of the
-    listed full blocks, then of the partial ones (n_full: the full blocks' tiles)."""
-    if MASK_KIND == 2:
-        tiles_per_block: gl.constexpr = SPARSE_BLOCK_N // BLOCK_N
-        if t < n_full:
-            block = gl.load(full_idx + t // tiles_per_block)
-        else:
-            block = gl.load(part_idx + (t - n_full) // tiles_per_block)
-        return block * SPARSE_BLOCK_N + (t % tiles_per_block) * BLOCK_N
-    else:
-        return t * BLOCK_N
-
-
-@gluon.jit
 def _masked(s, t, n_full, offs_m, offs_n, full_idx, part_idx, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr,
             BLOCK_N: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
     """Scores s of key tile t with q_idx >= kv_idx applied where the tile is past the unmasked ones
     (CAUSAL's diagonal, SPARSE's partial blocks)."""
     if MASK_KIND == 1 or IS_CAUSAL:
         if t >= n_full:
-            kv_start = _tile_start(t, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
+            kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
             s = gl.where(offs_m[:, None] >= (kv_start + offs_n)[None, :], s, float("-inf"))
     return s
 
@@ -173,7 +157,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
         tma_load(q_desc, [q_row + HALF_M, q_col], q_ready, q_smem.index(1))
         for t in range(gl.maximum(n_tiles, 1)):  # a row of no tile loads a first one, which the consumers mask
             stage = loads % STAGES
-            kv_start = _tile_start(t, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
+            kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
             mbarrier.wait(kv_empty.index(stage), ((loads // STAGES) - 1) & 1, pred=loads >= STAGES)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
             tma_load(k_desc, [k_row + kv_start, k_col], k_ready.index(stage), k_smem.index(stage))

@@ -46,6 +46,23 @@ def named_arrive(barrier: gl.constexpr, x):
 
 
 @gluon.jit
+def walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND: gl.constexpr, TILE: gl.constexpr,
+                    SPARSE_BLOCK: gl.constexpr):
+    """Start of tile t (of TILE rows) of a walk along one side of the mask: (first + t) * TILE, or (SPARSE,
+    MASK_KIND 2) its place among the tiles of the listed full blocks (n_full: their tiles), then of the
+    partial ones (full_idx, part_idx: the table entries of the walk's row or column)."""
+    if MASK_KIND == 2:
+        tiles_per_block: gl.constexpr = SPARSE_BLOCK // TILE
+        if t < n_full:
+            block = gl.load(full_idx + t // tiles_per_block)
+        else:
+            block = gl.load(part_idx + (t - n_full) // tiles_per_block)
+        return block * SPARSE_BLOCK + (t % tiles_per_block) * TILE
+    else:
+        return (first + t) * TILE
+
+
+@gluon.jit
 def row_view_coords(b, h, row, stride_b, stride_h, stride_m):
     """(row, column) in a ``row_view`` (rows of pitch stride_m) of element (b, h, row, 0)."""
     offset = b.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h
