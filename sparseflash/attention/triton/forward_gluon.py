@@ -50,8 +50,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from sparseflash.attention.triton.forward_persistent import row_view_rows
 from sparseflash.attention.triton import gluon_tools
+from sparseflash.attention.triton.forward_persistent import row_view_rows
 from sparseflash.attention.triton.gluon_tools import (named_arrive, named_sync, row_view, row_view_coords,
                                                       tma_load, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
