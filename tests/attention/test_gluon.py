@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="Triton without Gluon for Hopper")
 import sparseflash  # noqa: E402
 from sparseflash.attention.triton import backward_gluon, forward_gluon, gluon_tools  # noqa: E402
+from sparseflash.attention.triton.forward_persistent import row_view_rows  # noqa: E402
 from sparseflash.attention.triton.launch import Launcher, Standin, gluon_hopper  # noqa: E402
 from sparseflash.attention.triton.plan import LaunchPlan  # noqa: E402
 from sparseflash.masks import from_layout, make  # noqa: E402
@@ -107,6 +108,29 @@ def test_gpu_gluon_forward_many_items_a_program(pattern, dim, dtype, monkeypatch
     monkeypatch.setattr(forward_gluon, "multiprocessors", lambda device: 3)
     q, k, v, do = _inputs("s768-bshd", dim, dtype)
     check_backend("triton", q, k, v, MASKS[pattern](q.shape[2], k.shape[2], q.shape[1]), do)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss", ["sum", "sum-over-queries"])
+def test_gpu_gluon_backward_of_an_expanded_gradient(loss, monkeypatch):
+    """o.sum()'s gradient reaches the backward expanded (strides 0), which TMA cannot read: the Gluon
+    backward reads a contiguous copy; the gradients against the reference's."""
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    q, k, v, _ = _inputs("s256", 128, torch.bfloat16)
+    launched = _spy_launches(monkeypatch)
+    grads = []
+    for backend in ("triton", "reference"):
+        leaves = [x.detach().float().requires_grad_() if backend == "reference" else x.detach().requires_grad_()
+                  for x in (q, k, v)]
+        o = sparseflash.attention(*leaves, make("causal", 256), backend=backend)
+        (o.sum() if loss == "sum" else o.sum(dim=2).pow(2).sum()).backward()
+        grads.append([x.grad.float() for x in leaves])
+    for got, want in zip(*grads):
+        assert torch.isfinite(got).all()
+        assert (got - want).norm() / want.norm() < 3e-2
+    assert launched["backward"] and all(launched["backward"]), launched
 
 
 @pytest.mark.gpu
@@ -226,6 +250,18 @@ def test_a_layout_tma_cannot_read_launches_nothing():
     stats = torch.empty(2, 256)
     grads = [torch.empty(q.shape, dtype=q.dtype) for _ in range(3)]
     assert not backward_gluon.launch(plan, q, q, q, q, stats, stats, *grads, 256)
+
+
+@pytest.mark.parametrize("case", ["expanded", "pooled", "overlapping-rows", "strided-columns"])
+def test_layouts_tma_cannot_read_have_no_row_view(case):
+    """``row_view_rows`` says None (the caller falls back or copies) instead of failing, for the gradients
+    autograd expands (o.sum(): every stride 0; o.sum(2): the sequence's), rows that overlap and columns
+    that are not contiguous."""
+    x = {"expanded": lambda: torch.ones(()).expand(2, 4, 256, 128),
+         "pooled": lambda: torch.ones(2, 4, 1, 128).expand(2, 4, 256, 128),
+         "overlapping-rows": lambda: torch.empty(4096).as_strided((1, 1, 256, 128), (0, 0, 8, 1)),
+         "strided-columns": lambda: torch.empty(2, 4, 256, 256)[..., ::2]}[case]()
+    assert row_view_rows(x) is None
 
 
 def test_deterministic_algorithms_keep_the_triton_backward():

@@ -1,8 +1,9 @@
 """The backward for Hopper written in Gluon: FlashAttention-3's structure, dK, dV and dQ in one pass, dQ added
 by TMA reduce-add (docs/kernels.md, "The Gluon backward").
 
-A program holds one 128-key tile of one (batch, key/value head): the longest columns first, every key tile
-of a head next to each other (programs that stream the same queries run together, and share them in L2).
+A program holds one 128-key tile of one (batch, key/value head): every key tile of a head next to each other
+(programs that stream the same queries run together, and share them in L2), within a head the longest
+CAUSAL columns first.
 It walks the query tiles (64 rows) that see its keys, for each query head of its GQA group in turn. Three
 warpgroups:
   producer   (24 registers a thread) loads K and V once (two 64-row halves each), then Q_i and dO_i of each
@@ -336,12 +337,15 @@ def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], hea
 
 def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, stats_stride: int, ahead: bool = False) -> bool:
     """Compute dq, dk, dv (contiguous) on a problem ``applies`` admits, from ``lse2`` and ``delta`` of the
-    preprocess (``ahead``: only compile, with ``Standin``s for do and all past it); False (nothing
-    launched) where TMA cannot read one of q, k, v, do's layouts, or where torch is asked for deterministic
+    preprocess (``ahead``: only compile, with ``Standin``s for do and all past it: a contiguous do, as the
+    usual loss gives); do is read from a contiguous copy where TMA cannot read its layout. False (nothing
+    launched) where TMA cannot read one of q, k, v's layouts, or where torch is asked for deterministic
     algorithms (``torch.use_deterministic_algorithms``): dQ's TMA adds land in any order, so its last bits
     vary from run to run, and the Triton backward's do not."""
     if torch.are_deterministic_algorithms_enabled():
         return False
+    if not ahead and row_view_rows(do) is None:  # e.g. o.sum()'s gradient, expanded (strides 0): read a copy
+        do = do.contiguous()
     per_layout = plan.per_layout.setdefault("gluon_backward", {})
     layout = tuple((x.stride(), x.data_ptr() % 16) for x in (q, k, v, do))
     if layout not in per_layout:
@@ -359,10 +363,9 @@ def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, stats_stride: int, ahead:
     # compiled ahead with the accumulator's storage for the statistics: their descriptors key alike
     lse_desc, delta_desc = (_stats(dq_acc), _stats(dq_acc)) if ahead else (_stats(lse2), _stats(delta))
     tables, table_strides = plan.tables_of("q")
-    do_strides = q.stride()[:3] if ahead else do.stride()[:3]
     arguments = ((plan.batch * plan.kv_heads * (plan.kv_len // BLOCK_N),),
                  (*descriptors, dq_desc, lse_desc, delta_desc, dk, dv, *tables),
-                 (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do_strides, *table_strides, plan.heads,
+                 (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *table_strides, plan.heads,
                   plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
                  _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, q.shape[3]))
     if ahead:

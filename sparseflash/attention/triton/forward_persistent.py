@@ -205,12 +205,15 @@ def row_view_rows(x: torch.Tensor) -> int | None:
     """Rows of the matrix that ``row_view`` sees x (B, H, S, D) as: rows of pitch x.stride(2),
     where element (b, h, s, 0) is at column (b * stride_b + h * stride_h) % pitch. None where TMA
     cannot read x that way: a head's D elements crossing a pitch, or an address or pitch that is
-    not 16-byte aligned."""
+    not 16-byte aligned, or rows that overlap (a pitch below D: the expanded gradient of ``o.sum()`` has
+    every stride 0)."""
     batch, heads, seq, dim = x.shape
     stride_b, stride_h, pitch, stride_d = x.stride()
+    if stride_d != 1 or pitch < dim:
+        return None
     in_pitch = (batch == 1 or stride_b % pitch == 0) and (
         heads == 1 or stride_h % pitch == 0 or (stride_h > 0 and (heads - 1) * stride_h + dim <= pitch))
-    if stride_d != 1 or not in_pitch or x.data_ptr() % 16 or pitch * x.element_size() % 16:
+    if not in_pitch or x.data_ptr() % 16 or pitch * x.element_size() % 16:
         return None
     return ((batch - 1) * stride_b + (heads - 1) * stride_h) // pitch + seq
 
