@@ -11,12 +11,11 @@ warpgroups:
              arrivals on ``q_empty``, one per consumer).
   consumers  two warpgroups, warpgroup w owning keys [64 w, 64 w + 64) of the tile. For each query tile:
              S^T = K_w Q^T and dP^T = V_w dO^T (64 x 64 each, issued together, S^T waited first);
-             P^T = exp2(S^T * qk_scale - lse2) under dP^T; dS^T = P^T (dP^T - delta) to shared memory;
-             dV_w += P^T dO (P^T from registers); the two warpgroups meet (named barrier 10) once both
-             halves of dS^T are in shared memory, and warpgroup w computes columns [w D/2, (w + 1) D/2)
-             of dQ_i = dS K (64 x D/2, 32 fp32 registers a thread); then dK_w += dS^T Q (from registers),
-             which runs while dQ_i goes to a staging buffer and is added to an fp32 accumulator by TMA
-             reduce-add (FlashAttention-4's order). dS^T has two buffers: a warpgroup
+             P^T = exp2(S^T * qk_scale - lse2) under dP^T; dS^T = P^T (dP^T - delta); both to shared
+             memory, then dV_w += P^T dO and dK_w += dS^T Q; the two warpgroups meet (named barrier 10)
+             once both halves of dS^T are in shared memory, and warpgroup w computes columns
+             [w D/2, (w + 1) D/2) of dQ_i = dS K (64 x D/2, 32 fp32 registers a thread) and adds them to
+             an fp32 accumulator by TMA reduce-add from shared memory. dS^T has two buffers: a warpgroup
              rewrites one only after the barrier of the next tile, which the other passes only after its
              dQ product that read it.
 dQ accumulates in fp32 (B, H, q_len, D), scaled and converted after the kernel; the adds land in any order,
@@ -153,7 +152,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
+def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready,
               q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
               stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale,
               scale, WG: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr,
@@ -170,7 +169,6 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
                                                         instr_shape=[16, HEAD_DIM, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HALF_D, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     bk, kv_start = _program_tile(kv_len, BLOCK_N)
     kv_heads = heads // groups
     b = bk // kv_heads
@@ -210,26 +208,24 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
             elif IS_CAUSAL:
                 if t >= n_full:  # the partial blocks
                     p_t = gl.where((q_start + cols_q)[None, :] >= offs_kv[:, None], p_t, 0.0)
-            p_op = gl.convert_layout(p_t.to(q.dtype), a_layout)
+            p_smem.store(p_t.to(p_smem.dtype))
             dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
-            ds_t = (p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])).to(q.dtype)
+            ds_t = p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
             ds_tile = ds_smem.index(n % 2)
-            ds_tile.slice(WG * HALF_N, HALF_N).store(ds_t)
+            my_ds = ds_tile.slice(WG * HALF_N, HALF_N)
+            my_ds.store(ds_t.to(ds_smem.dtype))
             fence_async_shared()
-            dv = warpgroup_mma(p_op, do, dv, is_async=True)
+            dv = warpgroup_mma(p_smem, do, dv, is_async=True)
+            dk = warpgroup_mma(my_ds, q, dk, is_async=True)
             sync = named_sync(10, sync)  # both halves of dS^T are in shared memory
             dq = warpgroup_mma(ds_tile.permute((1, 0)), my_k_columns, zero_dq + (sync * 0).to(gl.float32),
                                use_acc=False, is_async=True)
-            dv, p_op = warpgroup_mma_wait(1, deps=(dv, p_op))
-            ds_op = gl.convert_layout(ds_t, a_layout)
-            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-            dq = warpgroup_mma_wait(1, deps=(dq,))  # dK's product runs under dQ's store
+            dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+            mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
             tma.store_wait(0)  # the last reduce has read the staging buffer
             dq_smem.store(dq)
             fence_async_shared()
             tma_reduce_add(dq_desc, [bh * q_len + q_start, WG * HALF_D], dq_smem)
-            dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
-            mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
             n += 1
     rows = bk * kv_len + kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -253,6 +249,7 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_de
     from the preprocess) in boxes of 64."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = 2 * k_desc.block_type.shape[0]
+    HALF_N: gl.constexpr = BLOCK_N // 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
@@ -261,6 +258,9 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_de
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], q_desc.dtype)
+    p_smem0 = gl.allocate_shared_memory(q_desc.dtype, [HALF_N, BLOCK_M], p_layout)
+    p_smem1 = gl.allocate_shared_memory(q_desc.dtype, [HALF_N, BLOCK_M], p_layout)
     dq_smem0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
     dq_smem1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -273,12 +273,12 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_de
 
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem0, kv_ready,
+        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, p_smem0, dq_smem0, kv_ready,
                      q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b,
                      stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
                      kv_len, qk_scale, scale,
                      0, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem1, kv_ready,
+        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, p_smem1, dq_smem1, kv_ready,
                      q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b,
                      stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
                      kv_len, qk_scale, scale,
