@@ -53,8 +53,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.forward_persistent import row_view_rows
-from sparseflash.attention.triton.gluon_tools import (named_sync, row_view, row_view_coords, tma_load, tma_reduce_add,
-                                                      walk_tile_start)
+from sparseflash.attention.triton.gluon_tools import (listed_walk, named_sync, row_view, row_view_coords, tma_load,
+                                                      tma_reduce_add, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, Standin
 from sparseflash.attention.triton.plan import KIND_CODES
 
@@ -80,21 +80,16 @@ def _column(b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, strid
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND: gl.constexpr,
             BLOCK_M: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
     """The query tiles of head h (of batch b) that see the key tile at kv_start: (first, n_full, n_tiles,
-    full_idx, part_idx), tile t of the walk at ``gluon_tools.walk_tile_start``: DENSE every tile, CAUSAL the tiles from
-    the key tile's first key on (first), SPARSE the tiles of the listed full blocks (n_full), then of the
-    partial ones."""
+    full_idx, part_idx), tile t of the walk at ``gluon_tools.walk_tile_start``: DENSE every tile, CAUSAL
+    the tiles from the key tile's first key on (first), SPARSE the tiles of the listed full blocks (n_full),
+    then of the partial ones."""
     first = 0
     full_idx = FULL_IDX
     part_idx = PART_IDX
     if MASK_KIND == 2:
-        tiles_per_block: gl.constexpr = SPARSE_BLOCK_M // BLOCK_M
-        column = kv_start // SPARSE_BLOCK_N
-        num_off = b * stride_num_b + h * stride_num_h + column * stride_num_n
-        idx_off = b * stride_idx_b + h * stride_idx_h + column * stride_idx_n
-        n_full = gl.load(FULL_NUM + num_off) * tiles_per_block
-        n_tiles = n_full + gl.load(PART_NUM + num_off) * tiles_per_block
-        full_idx = FULL_IDX + idx_off
-        part_idx = PART_IDX + idx_off
+        n_full, n_tiles, full_idx, part_idx = listed_walk(
+            FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, kv_start // SPARSE_BLOCK_N, stride_num_b, stride_num_h,
+            stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, SPARSE_BLOCK_M // BLOCK_M)
     elif MASK_KIND == 1:
         first = kv_start // BLOCK_M
         n_tiles = gl.maximum(q_len // BLOCK_M - first, 0)

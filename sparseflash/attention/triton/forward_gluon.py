@@ -52,8 +52,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.forward_persistent import row_view_rows
-from sparseflash.attention.triton.gluon_tools import (named_arrive, named_sync, row_view, row_view_coords,
-                                                      tma_load, walk_tile_start)
+from sparseflash.attention.triton.gluon_tools import (listed_walk, named_arrive, named_sync, row_view,
+                                                      row_view_coords, tma_load, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS
@@ -109,16 +109,10 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, strid
     full_idx = FULL_IDX
     part_idx = PART_IDX
     if MASK_KIND == 2:
-        tiles_per_block: gl.constexpr = SPARSE_BLOCK_N // BLOCK_N
-        b = bh // heads
-        h = bh % heads
-        mask_row = q_start // SPARSE_BLOCK_M
-        num_off = b * stride_num_b + h * stride_num_h + mask_row * stride_num_m
-        idx_off = b * stride_idx_b + h * stride_idx_h + mask_row * stride_idx_m
-        n_full = gl.load(FULL_NUM + num_off) * tiles_per_block
-        n_tiles = n_full + gl.load(PART_NUM + num_off) * tiles_per_block
-        full_idx = FULL_IDX + idx_off
-        part_idx = PART_IDX + idx_off
+        n_full, n_tiles, full_idx, part_idx = listed_walk(
+            FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, bh // heads, bh % heads, q_start // SPARSE_BLOCK_M,
+            stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
+            SPARSE_BLOCK_N // BLOCK_N)
     elif MASK_KIND == 1:  # key tiles wholly at or below the tile's first row need no mask
         n_full = gl.minimum(q_start + 1, kv_len) // BLOCK_N
         n_tiles = gl.cdiv(gl.minimum(kv_len, q_start + BLOCK_M), BLOCK_N)

@@ -46,6 +46,20 @@ def named_arrive(barrier: gl.constexpr, x):
 
 
 @gluon.jit
+def listed_walk(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, line, stride_num_b, stride_num_h, stride_num_l,
+                stride_idx_b, stride_idx_h, stride_idx_l, TILES_PER_BLOCK: gl.constexpr):
+    """A SPARSE walk along row or column ``line`` of the mask of batch b, head h, from its block tables
+    (row or column tables: full and partial counts and indices, with their batch, head and line strides):
+    (n_full, n_tiles, full_idx, part_idx), the tiles of its full blocks, of all its blocks, and where its
+    tables' entries start (``walk_tile_start``)."""
+    num_off = b * stride_num_b + h * stride_num_h + line * stride_num_l
+    idx_off = b * stride_idx_b + h * stride_idx_h + line * stride_idx_l
+    n_full = gl.load(FULL_NUM + num_off) * TILES_PER_BLOCK
+    n_tiles = n_full + gl.load(PART_NUM + num_off) * TILES_PER_BLOCK
+    return n_full, n_tiles, FULL_IDX + idx_off, PART_IDX + idx_off
+
+
+@gluon.jit
 def walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND: gl.constexpr, TILE: gl.constexpr,
                     SPARSE_BLOCK: gl.constexpr):
     """Start of tile t (of TILE rows) of a walk along one side of the mask: (first + t) * TILE, or (SPARSE,
