@@ -6,9 +6,9 @@ A program holds one 128-key tile of one (batch, key/value head): every key tile 
 CAUSAL columns first.
 It walks the query tiles (64 rows) that see its keys, for each query head of its GQA group in turn. Three
 warpgroups:
-  producer   (24 registers a thread) loads K and V once (two 64-row halves each), then Q_i and dO_i of each
-             query tile by TMA into a ring of STAGES buffers (``q_ready`` / ``q_empty`` mbarriers, two
-             arrivals on ``q_empty``, one per consumer).
+  producer   (24 registers a thread) loads K and V once (two 64-row halves each), then Q_i, dO_i, lse2_i
+             and delta_i of each query tile by TMA into a ring of STAGES buffers (``q_ready`` / ``q_empty``
+             mbarriers, two arrivals on ``q_empty``, one per consumer).
   consumers  two warpgroups, warpgroup w owning keys [64 w, 64 w + 64) of the tile. For each query tile:
              S^T = K_w Q^T and dP^T = V_w dO^T (64 x 64 each, issued together, S^T waited first);
              P^T = exp2(S^T * qk_scale - lse2) under dP^T; dS^T = P^T (dP^T - delta); both to shared
@@ -19,9 +19,10 @@ warpgroups:
              rewrites one only after the barrier of the next tile, which the other passes only after its
              dQ product that read it.
 dQ accumulates in fp32 (B, H, q_len, D), scaled and converted after the kernel; the adds land in any order,
-so under ``torch.use_deterministic_algorithms(True)`` the (deterministic) Triton backward runs instead. Keeping dK and dV (64 + 64
-fp32 registers a thread at head dim 128) and the 64 x 64 score tiles leaves no room to issue the next tile's
-products before the current dQ is stored (they spill, and ptxas then serialises every wgmma).
+so under ``torch.use_deterministic_algorithms(True)`` the (deterministic) Triton backward runs instead.
+Keeping dK and dV (64 + 64 fp32 registers a thread at head dim 128) and the 64 x 64 score tiles leaves no
+room to issue the next tile's products before the current dQ is stored (they spill, and ptxas then
+serialises every wgmma).
 
 Constexpr flags:
   MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): query tiles 0.., those from the key tile's
@@ -231,8 +232,8 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, p_
 
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
-def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM,
-                    PART_IDX, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV, FULL_NUM, FULL_IDX,
+                    PART_NUM, PART_IDX, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                     stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h,
                     stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len,
                     stats_stride, qk_scale, scale,
@@ -339,16 +340,12 @@ def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, stats_stride: int, ahead:
     vary from run to run, and the Triton backward's do not."""
     if torch.are_deterministic_algorithms_enabled():
         return False
-    if not ahead and row_view_rows(do) is None:  # e.g. o.sum()'s gradient, expanded (strides 0): read a copy
-        do = do.contiguous()
-    per_layout = plan.per_layout.setdefault("gluon_backward", {})
-    layout = tuple((x.stride(), x.data_ptr() % 16) for x in (q, k, v, do))
-    if layout not in per_layout:
-        rows = [row_view_rows(x) for x in (q, k, v, do)]
-        per_layout[layout] = None if None in rows else rows
-    rows = per_layout[layout]
-    if rows is None:
+    rows = gluon_tools.layout_rows(plan.per_layout.setdefault("gluon_backward", {}), (q, k, v, do))
+    if None in rows[:3]:
         return False
+    if rows[3] is None:  # e.g. o.sum()'s gradient, expanded (strides 0): read a contiguous copy
+        do = do.contiguous()
+        rows = [*rows[:3], row_view_rows(do)]
     q_desc = row_view(q, rows[0], BLOCK_M)
     # compiled ahead with q's descriptor in place of dO's: a descriptor's key is its dtype, box and layout
     descriptors = (q_desc, row_view(k, rows[1], BLOCK_N // 2), row_view(v, rows[2], BLOCK_N // 2),

@@ -51,7 +51,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from sparseflash.attention.triton import gluon_tools
-from sparseflash.attention.triton.forward_persistent import row_view_rows
 from sparseflash.attention.triton.gluon_tools import (listed_walk, named_arrive, named_sync, row_view,
                                                       row_view_coords, tma_load, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
@@ -339,13 +338,8 @@ def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], hea
 def launch(plan, q, k, v, o, lse, ahead: bool = False) -> bool:
     """Launch the forward on a problem ``applies`` admits (o and lse contiguous, or ``Standin``s with
     ``ahead``: only compile); False (nothing launched) where TMA cannot read one of q, k, v's layouts."""
-    per_layout = plan.per_layout.setdefault("gluon", {})
-    layout = (q.stride(), k.stride(), v.stride(), q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
-    if layout not in per_layout:
-        rows = [row_view_rows(x) for x in (q, k, v)]
-        per_layout[layout] = None if None in rows else rows
-    rows = per_layout[layout]
-    if rows is None:
+    rows = gluon_tools.layout_rows(plan.per_layout.setdefault("gluon", {}), (q, k, v))
+    if None in rows:
         return False
     descriptors = (row_view(q, rows[0], HALF_M), row_view(k, rows[1], BLOCK_N), row_view(v, rows[2], BLOCK_N))
     tables, table_strides = plan.tables_of("kv")

@@ -15,6 +15,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import builtin
 
+from sparseflash.attention.triton.forward_persistent import row_view_rows
 from sparseflash.masks import MaskKind
 
 # Triton 3.9 renamed Triton 3.6's TMA load (and removed the old name)
@@ -97,6 +98,16 @@ def shared_layout(rows: int, columns: int, dtype: torch.dtype):
     """The shared-memory layout (swizzle) of a (rows, columns) TMA box of fp16/bf16/fp32."""
     element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for([rows, columns], element)
+
+
+def layout_rows(per_layout: dict, tensors: tuple) -> list[int | None]:
+    """``row_view_rows`` of each tensor (None: TMA cannot read its layout), kept in ``per_layout`` (a launch
+    plan's dict for one kernel) by the tensors' strides and 16-byte alignment: host time on every launch."""
+    layout = tuple((x.stride(), x.data_ptr() % 16) for x in tensors)
+    rows = per_layout.get(layout)
+    if rows is None:
+        rows = per_layout[layout] = [row_view_rows(x) for x in tensors]
+    return rows
 
 
 def row_view(x: torch.Tensor, rows: int, block_rows: int) -> TensorDescriptor:
