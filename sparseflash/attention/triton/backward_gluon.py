@@ -4,25 +4,28 @@ by TMA reduce-add (docs/kernels.md, "The Gluon backward").
 A program holds one 128-key tile of one (batch, key/value head): every key tile of a head next to each other
 (programs that stream the same queries run together, and share them in L2), within a head the longest
 CAUSAL columns first.
-It walks the query tiles (64 rows) that see its keys, for each query head of its GQA group in turn. Three
-warpgroups:
+It walks the query tiles (64 rows at head dim 128, 128 at 64: FlashAttention-4's sizes) that see its keys,
+for each query head of its GQA group in turn. Three warpgroups:
   producer   (24 registers a thread) loads K and V once (two 64-row halves each), then Q_i, dO_i, lse2_i
              and delta_i of each query tile by TMA into a ring of STAGES buffers (``q_ready`` / ``q_empty``
              mbarriers, two arrivals on ``q_empty``, one per consumer).
-  consumers  two warpgroups, warpgroup w owning keys [64 w, 64 w + 64) of the tile. For each query tile:
-             S^T = K_w Q^T and dP^T = V_w dO^T (64 x 64 each, issued together, S^T waited first);
-             P^T = exp2(S^T * qk_scale - lse2) under dP^T; dS^T = P^T (dP^T - delta); both to shared
-             memory, then dV_w += P^T dO and dK_w += dS^T Q; the two warpgroups meet (named barrier 10)
-             once both halves of dS^T are in shared memory, and warpgroup w computes columns
-             [w D/2, (w + 1) D/2) of dQ_i = dS K (64 x D/2, 32 fp32 registers a thread) and adds them to
-             an fp32 accumulator by TMA reduce-add from shared memory. dS^T has two buffers: a warpgroup
-             rewrites one only after the barrier of the next tile, which the other passes only after its
-             dQ product that read it.
+  consumers  two warpgroups, warpgroup w owning keys [64 w, 64 w + 64) of the tile. For each query tile,
+             in FlashAttention-4's order:
+             S^T = K_w Q^T and dP^T = V_w dO^T (issued together, S^T waited first);
+             P^T = exp2(S^T * qk_scale - lse2) under dP^T; dS^T = P^T (dP^T - delta) to shared memory;
+             dV_w += P^T dO (P^T from registers) issued; the two warpgroups meet (named barrier 10) once
+             both halves of dS^T are in shared memory; warpgroup w computes its part of dQ_i = dS K: at
+             head dim 128 columns [w D/2, (w + 1) D/2) of the 64 queries, at 64 queries [64 w, 64 w + 64)
+             of the 128 and every column (64 x 64 fp32, 32 registers a thread either way); then
+             dK_w += dS^T Q (dS^T from registers) runs while dQ_i goes to a staging buffer and is added
+             to an fp32 accumulator by TMA reduce-add. dS^T has two buffers: a warpgroup rewrites one
+             only after the barrier of the next tile, which the other passes only after its dQ product
+             that read it.
 dQ accumulates in fp32 (B, H, q_len, D), scaled and converted after the kernel; the adds land in any order,
 so under ``torch.use_deterministic_algorithms(True)`` the (deterministic) Triton backward runs instead.
-Keeping dK and dV (64 + 64 fp32 registers a thread at head dim 128) and the 64 x 64 score tiles leaves no
-room to issue the next tile's products before the current dQ is stored (they spill, and ptxas then
-serialises every wgmma).
+Keeping dK and dV (64 + 64 fp32 registers a thread at head dim 128) and the score tiles leaves no room to
+issue the next tile's products before the current dQ is stored (they spill, and ptxas then serialises every
+wgmma).
 
 Constexpr flags:
   MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): query tiles 0.., those from the key tile's
@@ -37,7 +40,7 @@ Scores in base 2 as in backward.py: p = exp2(s * qk_scale - lse2) with lse2 = ls
 preprocess (+inf for a row that saw no key: p = 0); dK = scale * sum dS^T Q, dQ = scale * sum dS K.
 
 Applies (``applies``) on Hopper with Triton >= 3.6 where ``gluon_tools.takes`` the inputs (query tiles of
-64, key tiles of 128) and the layouts TMA can read; ``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS``
+``BLOCK_M``, key tiles of 128) and the layouts TMA can read; ``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS``
 keys or more on average, "1" wherever it applies, "0" never.
 """
 
@@ -59,12 +62,13 @@ from sparseflash.attention.triton.gluon_tools import (listed_walk, named_sync, r
 from sparseflash.attention.triton.launch import Launcher, Standin
 from sparseflash.attention.triton.plan import KIND_CODES
 
-BLOCK_M = 64  # query rows of a streamed tile
+BLOCK_M = {128: 64, 64: 128}  # query rows of a streamed tile, by head dim (FlashAttention-4's)
+DQ_ROWS = 64  # query rows of a dQ tile a consumer warpgroup adds
 BLOCK_N = 128  # keys a program holds, 64 a consumer warpgroup
-STAGES = 2  # Q/dO buffers: with the dS^T, P^T and dQ staging buffers they fill shared memory at head dim 128
-# "auto" takes it from this mean number of keys a query row walks, by head dim. On an H100 it ran 1.04-1.28x
-# the Triton backward at or above them, 0.77-0.99x below (docs/results/h100_gluon_backward)
-AUTO_ROW_KEYS = {128: 1024, 64: 4096}
+STAGES = 2  # Q/dO buffers: with the dS^T and dQ staging buffers they fill shared memory (198-199 KB)
+# "auto" takes it from this mean number of keys a query row walks. On an H100 it ran 1.04-1.28x the Triton
+# backward at or above it at head dims 64 and 128, 0.84-1.00x below (docs/results/h100_gluon_backward)
+AUTO_ROW_KEYS = 1024
 # the column tables' strides change with the lengths: new lengths compile nothing new
 TABLE_STRIDE_ARGS = ["stride_num_b", "stride_num_h", "stride_num_n", "stride_idx_b", "stride_idx_h", "stride_idx_n"]
 
@@ -148,7 +152,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready,
+def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
               q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
               stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale,
               scale, WG: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr,
@@ -158,24 +162,31 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, p_
     (DK, DV: (B, key/value heads, kv_len, HEAD_DIM) contiguous), and its half of each tile's dQ columns."""
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     HALF_N: gl.constexpr = BLOCK_N // 2
-    HALF_D: gl.constexpr = HEAD_DIM // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
+    # a warpgroup's dQ tile: the 64 queries x half the columns (query tiles of 64, head dim 128), or half
+    # the 128 queries x every column (head dim 64); FlashAttention-4 splits dQ the same way
+    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
+    DQ_COLUMNS: gl.constexpr = dq_desc.block_type.shape[1]
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HALF_D, 16])
+                                                        instr_shape=[16, DQ_COLUMNS, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     bk, kv_start = _program_tile(kv_len, BLOCK_N)
     kv_heads = heads // groups
     b = bk // kv_heads
     kv_head = bk % kv_heads
     my_keys = k_smem.slice(WG * HALF_N, HALF_N)
     my_values = v_smem.slice(WG * HALF_N, HALF_N)
-    my_k_columns = k_smem.slice(WG * HALF_D, HALF_D, dim=1)
+    DQ_BY_ROWS: gl.constexpr = DQ_COLUMNS == HEAD_DIM
+    dq_row: gl.constexpr = WG * DQ_ROWS * DQ_BY_ROWS  # the warpgroup's dQ tile within the query tile
+    dq_column: gl.constexpr = WG * DQ_COLUMNS * (1 - DQ_BY_ROWS)
+    dq_keys = k_smem.slice(dq_column, DQ_COLUMNS, dim=1)
     offs_kv = kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     cols_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
-    zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout)
+    zero_dq = gl.zeros([DQ_ROWS, DQ_COLUMNS], gl.float32, dq_layout)
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     sync = heads  # a value the named barrier passes along, which orders it among the products
@@ -204,24 +215,26 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, p_
             elif IS_CAUSAL:
                 if t >= n_full:  # the partial blocks
                     p_t = gl.where((q_start + cols_q)[None, :] >= offs_kv[:, None], p_t, 0.0)
-            p_smem.store(p_t.to(p_smem.dtype))
+            p_op = gl.convert_layout(p_t.to(q.dtype), a_layout)
             dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
-            ds_t = p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
+            ds_t = (p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])).to(q.dtype)
             ds_tile = ds_smem.index(n % 2)
-            my_ds = ds_tile.slice(WG * HALF_N, HALF_N)
-            my_ds.store(ds_t.to(ds_smem.dtype))
+            ds_tile.slice(WG * HALF_N, HALF_N).store(ds_t)
             fence_async_shared()
-            dv = warpgroup_mma(p_smem, do, dv, is_async=True)
-            dk = warpgroup_mma(my_ds, q, dk, is_async=True)
+            dv = warpgroup_mma(p_op, do, dv, is_async=True)
             sync = named_sync(10, sync)  # both halves of dS^T are in shared memory
-            dq = warpgroup_mma(ds_tile.permute((1, 0)), my_k_columns, zero_dq + (sync * 0).to(gl.float32),
-                               use_acc=False, is_async=True)
-            dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-            mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
+            dq = warpgroup_mma(ds_tile.slice(dq_row, DQ_ROWS, dim=1).permute((1, 0)), dq_keys,
+                               zero_dq + (sync * 0).to(gl.float32), use_acc=False, is_async=True)
+            dv, p_op = warpgroup_mma_wait(1, deps=(dv, p_op))
+            ds_op = gl.convert_layout(ds_t, a_layout)
+            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+            dq = warpgroup_mma_wait(1, deps=(dq,))  # dK's product runs under dQ's store
             tma.store_wait(0)  # the last reduce has read the staging buffer
             dq_smem.store(dq)
             fence_async_shared()
-            tma_reduce_add(dq_desc, [bh * q_len + q_start, WG * HALF_D], dq_smem)
+            tma_reduce_add(dq_desc, [bh * q_len + q_start + dq_row, dq_column], dq_smem)
+            dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+            mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
             n += 1
     rows = bk * kv_len + kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -245,7 +258,6 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_de
     from the preprocess) in boxes of 64."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = 2 * k_desc.block_type.shape[0]
-    HALF_N: gl.constexpr = BLOCK_N // 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
@@ -254,11 +266,8 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_de
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], q_desc.dtype)
-    p_smem0 = gl.allocate_shared_memory(q_desc.dtype, [HALF_N, BLOCK_M], p_layout)
-    p_smem1 = gl.allocate_shared_memory(q_desc.dtype, [HALF_N, BLOCK_M], p_layout)
-    dq_smem0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
-    dq_smem1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+    dq_smem1 = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -269,12 +278,12 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_de
 
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, p_smem0, dq_smem0, kv_ready,
+        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem0, kv_ready,
                      q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b,
                      stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
                      kv_len, qk_scale, scale,
                      0, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, p_smem1, dq_smem1, kv_ready,
+        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem1, kv_ready,
                      q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b,
                      stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
                      kv_len, qk_scale, scale,
@@ -293,11 +302,11 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
             element_mods: bool) -> bool:
     """Whether calls with these inputs and mask take this backward (on a GPU ``launch.gluon_hopper``
     admits): ``gluon_tools.takes`` them, and with "auto", rows of ``row_keys`` keys on average, at least
-    AUTO_ROW_KEYS's. The layouts are checked at launch."""
+    AUTO_ROW_KEYS. The layouts are checked at launch."""
     value = gluon_tools.choice()
-    return value != "0" and gluon_tools.takes(q, k, mask, (BLOCK_M, BLOCK_N), has_key_lengths, dropout,
-                                              element_mods) and (
-        value == "1" or row_keys >= AUTO_ROW_KEYS[q.shape[3]])
+    tiles = (BLOCK_M.get(q.shape[3], 64), BLOCK_N)
+    return value != "0" and gluon_tools.takes(q, k, mask, tiles, has_key_lengths, dropout, element_mods) and (
+        value == "1" or row_keys >= AUTO_ROW_KEYS)
 
 
 # ---------------------------------------------------------------------------------- launcher
@@ -312,7 +321,8 @@ def _dq_layout():
 
 def _dq_accumulator(rows: int, head_dim: int, device) -> tuple[torch.Tensor, TensorDescriptor]:
     dq_acc = torch.zeros(rows, head_dim, dtype=torch.float32, device=device)
-    return dq_acc, TensorDescriptor(dq_acc, [rows, head_dim], [head_dim, 1], [BLOCK_M, head_dim // 2], _dq_layout())
+    columns = head_dim if BLOCK_M[head_dim] == 2 * DQ_ROWS else head_dim // 2
+    return dq_acc, TensorDescriptor(dq_acc, [rows, head_dim], [head_dim, 1], [DQ_ROWS, columns], _dq_layout())
 
 
 @functools.lru_cache(maxsize=None)
@@ -320,9 +330,9 @@ def _stats_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
-def _stats(x: torch.Tensor) -> TensorDescriptor:
-    """A TMA descriptor of 64-row boxes over lse2 or delta (B * H, stats_stride), seen flat."""
-    return TensorDescriptor(x, [x.numel()], [1], [BLOCK_M], _stats_layout())
+def _stats(x: torch.Tensor, block_m: int) -> TensorDescriptor:
+    """A TMA descriptor of block_m-row boxes over lse2 or delta (B * H, stats_stride), seen flat."""
+    return TensorDescriptor(x, [x.numel()], [1], [block_m], _stats_layout())
 
 
 @functools.lru_cache(maxsize=None)
@@ -346,14 +356,16 @@ def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, stats_stride: int, ahead:
     if rows[3] is None:  # e.g. o.sum()'s gradient, expanded (strides 0): read a contiguous copy
         do = do.contiguous()
         rows = [*rows[:3], row_view_rows(do)]
-    q_desc = row_view(q, rows[0], BLOCK_M)
+    block_m = BLOCK_M[q.shape[3]]
+    q_desc = row_view(q, rows[0], block_m)
     # compiled ahead with q's descriptor in place of dO's: a descriptor's key is its dtype, box and layout
     descriptors = (q_desc, row_view(k, rows[1], BLOCK_N // 2), row_view(v, rows[2], BLOCK_N // 2),
-                   q_desc if ahead else row_view(do, rows[3], BLOCK_M))
+                   q_desc if ahead else row_view(do, rows[3], block_m))
     dq_rows = plan.batch * plan.heads * plan.q_len
-    dq_acc, dq_desc = _dq_accumulator(BLOCK_M if ahead else dq_rows, q.shape[3], q.device)
+    dq_acc, dq_desc = _dq_accumulator(block_m if ahead else dq_rows, q.shape[3], q.device)
     # compiled ahead with the accumulator's storage for the statistics: their descriptors key alike
-    lse_desc, delta_desc = (_stats(dq_acc), _stats(dq_acc)) if ahead else (_stats(lse2), _stats(delta))
+    lse_desc, delta_desc = (_stats(dq_acc, block_m), _stats(dq_acc, block_m)) if ahead else (
+        _stats(lse2, block_m), _stats(delta, block_m))
     tables, table_strides = plan.tables_of("q")
     arguments = ((plan.batch * plan.kv_heads * (plan.kv_len // BLOCK_N),),
                  (*descriptors, dq_desc, lse_desc, delta_desc, dk, dv, *tables),
