@@ -180,8 +180,9 @@ def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
 ], ids=str)
 def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
     """fp16/bf16 of head dim 64 or 128, lengths that the tiles divide (forward: 128 and 128 rows, backward:
-    64 queries at head dim 128, 128 at 64, and 128 keys), SPARSE blocks that the tiles divide and that divide the lengths, no key_lengths,
-    dropout, mask_mod or score function (SPARSEFLASH_GLUON=1; the GPU and Triton are ``gluon_hopper``'s)."""
+    64 queries at head dim 128, 128 at 64, and 128 keys), SPARSE blocks that the tiles divide and that divide
+    the lengths, no key_lengths, dropout, mask_mod or score function (SPARSEFLASH_GLUON=1; the GPU and Triton
+    are ``gluon_hopper``'s)."""
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     shapes = dict(fp32=dict(dtype=torch.float32), d96=dict(dim=96), d256=dict(dim=256), q192=dict(q_len=192),
                   **{"d64-q192": dict(q_len=192, dim=64), "d64-q384": dict(q_len=384, dim=64)},
