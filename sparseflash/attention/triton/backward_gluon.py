@@ -152,68 +152,6 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_
 
 
 @gluon.jit
-def _tiles(start, end, first, n_full, full_idx, part_idx, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-           q_ready, q_empty, dq_desc, my_keys, my_values, dq_keys, dk, dv, sync, n, bh, kv_start, q_len, qk_scale,
-           MASKED: gl.constexpr, WG: gl.constexpr, MASK_KIND: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-           STAGES: gl.constexpr):
-    """Tiles [start, end) of a column's walk for one consumer warpgroup: dK and dV (returned with the barrier's
-    value and the ring's position n) and the warpgroup's part of each tile's dQ. MASKED: the tiles cut by
-    q_idx >= kv_idx, whose scores are masked element by element."""
-    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
-    HALF_N: gl.constexpr = my_keys.type.shape[0]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
-    # a warpgroup's dQ tile: the 64 queries x half the columns (query tiles of 64, head dim 128), or half
-    # the 128 queries x every column (head dim 64); FlashAttention-4 splits dQ the same way
-    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
-    DQ_COLUMNS: gl.constexpr = dq_desc.block_type.shape[1]
-    DQ_BY_ROWS: gl.constexpr = DQ_COLUMNS == q_smem.type.shape[2]
-    dq_row: gl.constexpr = WG * DQ_ROWS * DQ_BY_ROWS  # the warpgroup's dQ tile within the query tile
-    dq_column: gl.constexpr = WG * DQ_COLUMNS * (1 - DQ_BY_ROWS)
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_COLUMNS, 16])
-    zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
-    zero_dq = gl.zeros([DQ_ROWS, DQ_COLUMNS], gl.float32, dq_layout)
-    for t in range(start, end):
-        q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
-        stage = n % STAGES
-        q = q_smem.index(stage)
-        do = do_smem.index(stage)
-        mbarrier.wait(q_ready.index(stage), (n // STAGES) & 1)
-        s_t = warpgroup_mma(my_keys, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp_t = warpgroup_mma(my_values, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s_t = warpgroup_mma_wait(1, deps=(s_t,))
-        p_t = gl.exp2(s_t * qk_scale - lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
-        if MASKED:
-            rows_kv = kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
-            cols_q = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            p_t = gl.where(cols_q[None, :] >= rows_kv[:, None], p_t, 0.0)
-        p_op = gl.convert_layout(p_t.to(q.dtype), a_layout)
-        dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
-        ds_t = (p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])).to(q.dtype)
-        ds_tile = ds_smem.index(n % 2)
-        ds_tile.slice(WG * HALF_N, HALF_N).store(ds_t)
-        fence_async_shared()
-        dv = warpgroup_mma(p_op, do, dv, is_async=True)
-        sync = named_sync(10, sync)  # both halves of dS^T are in shared memory
-        dq = warpgroup_mma(ds_tile.slice(dq_row, DQ_ROWS, dim=1).permute((1, 0)), dq_keys,
-                           zero_dq + (sync * 0).to(gl.float32), use_acc=False, is_async=True)
-        dv, p_op = warpgroup_mma_wait(1, deps=(dv, p_op))
-        ds_op = gl.convert_layout(ds_t, a_layout)
-        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-        dq = warpgroup_mma_wait(1, deps=(dq,))  # dK's product runs under dQ's store
-        tma.store_wait(0)  # the last reduce has read the staging buffer
-        dq_smem.store(dq)
-        fence_async_shared()
-        tma_reduce_add(dq_desc, [bh * q_len + q_start + dq_row, dq_column], dq_smem)
-        dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
-        mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
-        n += 1
-    return dk, dv, sync, n
-
-
-@gluon.jit
 def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
               q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
               stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale,
@@ -221,22 +159,34 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
               BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end
-    (DK, DV: (B, key/value heads, kv_len, HEAD_DIM) contiguous), and its part of each tile's dQ. The tiles a
-    mask cuts element by element have a loop of their own (CAUSAL: the first ones, across the diagonal;
-    SPARSE causal: the partial blocks, last), so the other tiles' loop holds no index tensors (in one loop
-    they spilled 300-376 bytes into it at head dim 64)."""
+    (DK, DV: (B, key/value heads, kv_len, HEAD_DIM) contiguous), and its half of each tile's dQ columns."""
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     HALF_N: gl.constexpr = BLOCK_N // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
+    # a warpgroup's dQ tile: the 64 queries x half the columns (query tiles of 64, head dim 128), or half
+    # the 128 queries x every column (head dim 64); FlashAttention-4 splits dQ the same way
+    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
+    DQ_COLUMNS: gl.constexpr = dq_desc.block_type.shape[1]
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLUMNS, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     bk, kv_start = _program_tile(kv_len, BLOCK_N)
     kv_heads = heads // groups
     b = bk // kv_heads
     kv_head = bk % kv_heads
     my_keys = k_smem.slice(WG * HALF_N, HALF_N)
     my_values = v_smem.slice(WG * HALF_N, HALF_N)
-    DQ_COLUMNS: gl.constexpr = dq_desc.block_type.shape[1]
-    dq_keys = k_smem.slice(WG * DQ_COLUMNS * (DQ_COLUMNS != HEAD_DIM), DQ_COLUMNS, dim=1)
+    DQ_BY_ROWS: gl.constexpr = DQ_COLUMNS == HEAD_DIM
+    dq_row: gl.constexpr = WG * DQ_ROWS * DQ_BY_ROWS  # the warpgroup's dQ tile within the query tile
+    dq_column: gl.constexpr = WG * DQ_COLUMNS * (1 - DQ_BY_ROWS)
+    dq_keys = k_smem.slice(dq_column, DQ_COLUMNS, dim=1)
+    offs_kv = kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    cols_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
+    zero_dq = gl.zeros([DQ_ROWS, DQ_COLUMNS], gl.float32, dq_layout)
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     sync = heads  # a value the named barrier passes along, which orders it among the products
@@ -249,22 +199,43 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
             SPARSE_BLOCK_N)
         bh = b * heads + h
-        walk = (first, n_full, full_idx, part_idx, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                q_ready, q_empty, dq_desc, my_keys, my_values, dq_keys)
-        if MASK_KIND == 1:
-            diagonal = gl.minimum(n_tiles, BLOCK_N // BLOCK_M)  # the query tiles across the diagonal
-            dk, dv, sync, n = _tiles(0, diagonal, *walk, dk, dv, sync, n, bh, kv_start, q_len, qk_scale, True,
-                                     WG, MASK_KIND, SPARSE_BLOCK_M, STAGES)
-            dk, dv, sync, n = _tiles(diagonal, n_tiles, *walk, dk, dv, sync, n, bh, kv_start, q_len, qk_scale,
-                                     False, WG, MASK_KIND, SPARSE_BLOCK_M, STAGES)
-        elif IS_CAUSAL:  # SPARSE, its partial blocks cut by q_idx >= kv_idx
-            dk, dv, sync, n = _tiles(0, n_full, *walk, dk, dv, sync, n, bh, kv_start, q_len, qk_scale, False,
-                                     WG, MASK_KIND, SPARSE_BLOCK_M, STAGES)
-            dk, dv, sync, n = _tiles(n_full, n_tiles, *walk, dk, dv, sync, n, bh, kv_start, q_len, qk_scale,
-                                     True, WG, MASK_KIND, SPARSE_BLOCK_M, STAGES)
-        else:
-            dk, dv, sync, n = _tiles(0, n_tiles, *walk, dk, dv, sync, n, bh, kv_start, q_len, qk_scale, False,
-                                     WG, MASK_KIND, SPARSE_BLOCK_M, STAGES)
+        for t in range(n_tiles):
+            q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            stage = n % STAGES
+            q = q_smem.index(stage)
+            do = do_smem.index(stage)
+            mbarrier.wait(q_ready.index(stage), (n // STAGES) & 1)
+            s_t = warpgroup_mma(my_keys, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_t = warpgroup_mma(my_values, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_t = warpgroup_mma_wait(1, deps=(s_t,))
+            p_t = gl.exp2(s_t * qk_scale - lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
+            if MASK_KIND == 1:
+                if q_start < kv_start + BLOCK_N:  # the tiles across the diagonal
+                    p_t = gl.where((q_start + cols_q)[None, :] >= offs_kv[:, None], p_t, 0.0)
+            elif IS_CAUSAL:
+                if t >= n_full:  # the partial blocks
+                    p_t = gl.where((q_start + cols_q)[None, :] >= offs_kv[:, None], p_t, 0.0)
+            p_op = gl.convert_layout(p_t.to(q.dtype), a_layout)
+            dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+            ds_t = (p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])).to(q.dtype)
+            ds_tile = ds_smem.index(n % 2)
+            ds_tile.slice(WG * HALF_N, HALF_N).store(ds_t)
+            fence_async_shared()
+            dv = warpgroup_mma(p_op, do, dv, is_async=True)
+            sync = named_sync(10, sync)  # both halves of dS^T are in shared memory
+            dq = warpgroup_mma(ds_tile.slice(dq_row, DQ_ROWS, dim=1).permute((1, 0)), dq_keys,
+                               zero_dq + (sync * 0).to(gl.float32), use_acc=False, is_async=True)
+            dv, p_op = warpgroup_mma_wait(1, deps=(dv, p_op))
+            ds_op = gl.convert_layout(ds_t, a_layout)
+            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+            dq = warpgroup_mma_wait(1, deps=(dq,))  # dK's product runs under dQ's store
+            tma.store_wait(0)  # the last reduce has read the staging buffer
+            dq_smem.store(dq)
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [bh * q_len + q_start + dq_row, dq_column], dq_smem)
+            dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+            mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
+            n += 1
     rows = bk * kv_len + kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     offs = rows.to(gl.int64)[:, None] * HEAD_DIM + cols[None, :]
