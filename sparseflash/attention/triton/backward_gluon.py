@@ -67,7 +67,7 @@ DQ_ROWS = 64  # query rows of a dQ tile a consumer warpgroup adds
 BLOCK_N = 128  # keys a program holds, 64 a consumer warpgroup
 STAGES = 2  # Q/dO buffers: with the dS^T and dQ staging buffers they fill shared memory (198-199 KB)
 # "auto" takes it from this mean number of keys a query row walks. On an H100 it ran 1.04-1.28x the Triton
-# backward at or above it at head dims 64 and 128, 0.84-1.00x below (docs/results/h100_gluon_backward)
+# backward at or above it at head dims 64 and 128, 0.84-1.04x below (docs/results/h100_gluon_backward)
 AUTO_ROW_KEYS = 1024
 # the column tables' strides change with the lengths: new lengths compile nothing new
 TABLE_STRIDE_ARGS = ["stride_num_b", "stride_num_h", "stride_num_n", "stride_idx_b", "stride_idx_h", "stride_idx_n"]
@@ -159,7 +159,7 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
               BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end
-    (DK, DV: (B, key/value heads, kv_len, HEAD_DIM) contiguous), and its half of each tile's dQ columns."""
+    (DK, DV: (B, key/value heads, kv_len, HEAD_DIM) contiguous), and its part of each tile's dQ."""
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     HALF_N: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
