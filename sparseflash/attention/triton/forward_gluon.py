@@ -51,7 +51,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from sparseflash.attention.triton import gluon_tools
-from sparseflash.attention.triton.gluon_tools import (exp2_split, listed_walk, named_arrive, named_sync, row_view,
+from sparseflash.attention.triton.gluon_tools import (listed_walk, named_arrive, named_sync, row_view,
                                                       row_view_coords, tma_load, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
 from sparseflash.attention.triton.plan import KIND_CODES
@@ -161,16 +161,6 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 
 @gluon.jit
-def _exp2(x, HEAD_DIM: gl.constexpr):
-    """The probabilities' 2^x. At head dim 64 a tile's exponentials on the special-function unit take about
-    as long as its two products on the tensor cores, so half go to the FMA units (``gluon_tools.exp2_split``)."""
-    if HEAD_DIM == 64:
-        return exp2_split(x)
-    else:
-        return gl.exp2(x)
-
-
-@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
               FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
               stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
@@ -222,7 +212,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             if n_tiles == 0:  # the producer loaded tile 0 all the same
                 s = gl.full_like(s, float("-inf"))
         m_i = gl.max(s, 1)
-        p = _exp2(s * qk_scale - (_safe_max(m_i, MAY_BE_EMPTY) * qk_scale)[:, None], HEAD_DIM)
+        p = gl.exp2(s * qk_scale - (_safe_max(m_i, MAY_BE_EMPTY) * qk_scale)[:, None])
         l_i = gl.sum(p, 1)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
@@ -242,7 +232,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             m_new = gl.maximum(m_i, gl.max(s, 1))
             m_use = _safe_max(m_new, MAY_BE_EMPTY)
             alpha = gl.exp2((m_i - m_use) * qk_scale)
-            p = _exp2(s * qk_scale - (m_use * qk_scale)[:, None], HEAD_DIM)
+            p = gl.exp2(s * qk_scale - (m_use * qk_scale)[:, None])
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
             # the next key tile's wait sits here: its branch keeps ptxas from hoisting the PV wait above the

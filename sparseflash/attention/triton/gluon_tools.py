@@ -46,38 +46,6 @@ def named_arrive(barrier: gl.constexpr, x):
                                      is_pure=False, pack=1)
 
 
-# 2^x of two fp32 values: the first by the special-function unit, the second by a polynomial on the FMA units.
-# The second rounds x (clamped at -127) to an integer j with the 1.5 * 2^23 trick (j lands in the low bits of
-# t), takes 2^f of the rest f in [-0.5, 0.5] from a cubic (relative error 1.0e-4, exactly 1 at f = 0) and
-# adds j to its exponent bits: x <= -127, -inf included, gives exactly 0.
-_EXP2_SPLIT_ASM = gl.constexpr("""{
-.reg .f32 t, j, f, p;
-.reg .b32 jb, pb;
-ex2.approx.ftz.f32 $0, $2;
-max.ftz.f32 f, $3, 0fC2FE0000;
-add.rn.ftz.f32 t, f, 0f4B400000;
-sub.rn.ftz.f32 j, t, 0f4B400000;
-sub.rn.ftz.f32 f, f, j;
-fma.rn.ftz.f32 p, f, 0f3D61510C, 0f3E780627;
-fma.rn.ftz.f32 p, p, f, 0f3F317AFD;
-fma.rn.ftz.f32 p, p, f, 0f3F800000;
-mov.b32 jb, t;
-shl.b32 jb, jb, 23;
-mov.b32 pb, p;
-add.s32 pb, pb, jb;
-mov.b32 $1, pb;
-}""")
-
-
-@gluon.jit
-def exp2_split(x):
-    """2^x of an fp32 tensor, half its elements by the special-function unit (16 results a clock an SM) and
-    half by a polynomial on the FMA units (128 operations a clock, 9 for one result), which run side by side
-    (FlashAttention-4 emulates part of its exponentials the same way). Relative error 1.0e-4 on the
-    polynomial's half; x <= -127 and -inf give 0."""
-    return gl.inline_asm_elementwise(_EXP2_SPLIT_ASM, "=f,=f,f,f", [x], dtype=gl.float32, is_pure=True, pack=2)
-
-
 @gluon.jit
 def listed_walk(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, line, stride_num_b, stride_num_h, stride_num_l,
                 stride_idx_b, stride_idx_h, stride_idx_l, TILES_PER_BLOCK: gl.constexpr):
