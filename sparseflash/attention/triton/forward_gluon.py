@@ -122,7 +122,7 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, strid
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
               FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
               stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
@@ -151,10 +151,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
         for t in range(gl.maximum(n_tiles, 1)):  # a row of no tile loads a first one, which the consumers mask
             stage = loads % STAGES
             kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
-            mbarrier.wait(k_empty.index(stage), ((loads // STAGES) - 1) & 1, pred=loads >= STAGES)
+            mbarrier.wait(kv_empty.index(stage), ((loads // STAGES) - 1) & 1, pred=loads >= STAGES)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
             tma_load(k_desc, [k_row + kv_start, k_col], k_ready.index(stage), k_smem.index(stage))
-            mbarrier.wait(v_empty.index(stage), ((loads // STAGES) - 1) & 1, pred=loads >= STAGES)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
             tma_load(v_desc, [v_row + kv_start, v_col], v_ready.index(stage), v_smem.index(stage))
             loads += 1
@@ -162,7 +161,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
               FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
               stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
               heads, q_len, kv_len, n_items, num_programs, qk_scale,
@@ -208,7 +207,6 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
         s = warpgroup_mma(q, k_smem.index(used % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         turn = named_arrive(THEIR_TURN, turn)
         s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(used % STAGES))  # K of the first tile is read: FlashAttention-4 frees it here
         s = _masked(s, 0, n_full, offs_m, offs_n, full_idx, part_idx, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_N)
         if MAY_BE_EMPTY:
             if n_tiles == 0:  # the producer loaded tile 0 all the same
@@ -218,7 +216,6 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
         l_i = gl.sum(p, 1)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
-        alpha_o = gl.full([HALF_M], 1.0, gl.float32, row_o)
         mbarrier.wait(k_ready.index((used + 1) % STAGES), ((used + 1) // STAGES) & 1, pred=1 < n_loads)
         for j in range(1, n_loads):
             tile = used + j
@@ -226,12 +223,10 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
             prev = (tile - 1) % STAGES
             turn = named_sync(MY_TURN, turn)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            acc = acc * alpha_o[:, None]  # under the S product (FlashAttention-4's option)
             mbarrier.wait(v_ready.index(prev), ((tile - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             turn = named_arrive(THEIR_TURN, turn)
             s = warpgroup_mma_wait(1, deps=(s,))
-            mbarrier.arrive(k_empty.index(stage))  # K of tile j is read
             s = _masked(s, j, n_full, offs_m, offs_n, full_idx, part_idx, MASK_KIND, IS_CAUSAL, BLOCK_N,
                         SPARSE_BLOCK_N)
             m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -246,15 +241,15 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
             p_new = gl.convert_layout(p.to(q.dtype), p_layout)
             alpha_o = gl.convert_layout(alpha, row_o)
             acc, p_op, p_new, alpha_o, l_i = warpgroup_mma_wait(0, deps=(acc, p_op, p_new, alpha_o, l_i))
-            mbarrier.arrive(v_empty.index(prev))  # this warpgroup is done with V of tile j - 1
+            mbarrier.arrive(kv_empty.index(prev))  # this warpgroup is done with K and V of tile j - 1
+            acc = acc * alpha_o[:, None]
             p_op = p_new
         mbarrier.arrive(q_empty)  # every product with Q is done: the producer may load the next item's
         last = used + n_loads - 1
-        acc = acc * alpha_o[:, None]
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(last % STAGES))
+        mbarrier.arrive(kv_empty.index(last % STAGES))
         used += n_loads
         if MAY_BE_EMPTY:
             l_o = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), row_o)
@@ -291,27 +286,25 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(kv_empty.index(i), count=2)
 
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                      FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m,
                      stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale,
                      0, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                      FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m,
                      stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale,
                      1, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                      FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
                      stride_kn, stride_vb, stride_vh, stride_vn, stride_num_b, stride_num_h, stride_num_m,
                      stride_idx_b, stride_idx_h, stride_idx_m, heads, groups, q_len, kv_len, n_items, num_programs,
