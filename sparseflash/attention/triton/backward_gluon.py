@@ -74,10 +74,13 @@ TABLE_STRIDE_ARGS = ["stride_num_b", "stride_num_h", "stride_num_n", "stride_idx
 
 
 @gluon.jit
-def _program_tile(kv_len, BLOCK_N: gl.constexpr):
-    """(batch * key/value head, first key) of this program: the key tiles of a head in turn."""
+def _program_tile(heads, groups, kv_len, BLOCK_N: gl.constexpr):
+    """(batch * key/value head, batch, key/value head, first key) of this program: the key tiles of a head in
+    turn."""
     tiles = kv_len // BLOCK_N
-    return gl.program_id(0) // tiles, (gl.program_id(0) % tiles) * BLOCK_N
+    bk = gl.program_id(0) // tiles
+    kv_heads = heads // groups
+    return bk, bk // kv_heads, bk % kv_heads, (gl.program_id(0) % tiles) * BLOCK_N
 
 
 @gluon.jit
@@ -118,10 +121,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_
     ring's next buffer once both consumers released the tile it held."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HALF_N: gl.constexpr = BLOCK_N // 2
-    bk, kv_start = _program_tile(kv_len, BLOCK_N)
-    kv_heads = heads // groups
-    b = bk // kv_heads
-    kv_head = bk % kv_heads
+    _, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
     k_row, k_col = row_view_coords(b, kv_head, kv_start, stride_kb, stride_kh, stride_kn)
     v_row, v_col = row_view_coords(b, kv_head, kv_start, stride_vb, stride_vh, stride_vn)
     mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
@@ -173,10 +173,7 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLUMNS, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    bk, kv_start = _program_tile(kv_len, BLOCK_N)
-    kv_heads = heads // groups
-    b = bk // kv_heads
-    kv_head = bk % kv_heads
+    bk, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
     my_keys = k_smem.slice(WG * HALF_N, HALF_N)
     my_values = v_smem.slice(WG * HALF_N, HALF_N)
     DQ_BY_ROWS: gl.constexpr = DQ_COLUMNS == HEAD_DIM
@@ -303,10 +300,8 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
     """Whether calls with these inputs and mask take this backward (on a GPU ``launch.gluon_hopper``
     admits): ``gluon_tools.takes`` them, and with "auto", rows of ``row_keys`` keys on average, at least
     AUTO_ROW_KEYS. The layouts are checked at launch."""
-    value = gluon_tools.choice()
-    tiles = (BLOCK_M.get(q.shape[3], 64), BLOCK_N)
-    return value != "0" and gluon_tools.takes(q, k, mask, tiles, has_key_lengths, dropout, element_mods) and (
-        value == "1" or row_keys >= AUTO_ROW_KEYS)
+    return gluon_tools.chosen(q, k, mask, (BLOCK_M.get(q.shape[3], 64), BLOCK_N), row_keys, AUTO_ROW_KEYS,
+                              has_key_lengths, dropout, element_mods)
 
 
 # ---------------------------------------------------------------------------------- launcher

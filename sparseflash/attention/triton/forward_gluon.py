@@ -44,6 +44,7 @@ key_lengths, dropout, mask_mod or score function, and layouts TMA can read (``fo
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from triton.experimental import gluon
@@ -319,10 +320,9 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
     admits): ``gluon_tools.takes`` them, and with "auto", rows of ``row_keys`` keys on average, at least
     AUTO_ROW_KEYS's. The layout of each call's tensors is checked at launch. A plan keeps the answer:
     SPARSEFLASH_GLUON set later changes the plans made after it."""
-    value = gluon_tools.choice()
-    return value != "0" and gluon_tools.takes(q, k, mask, (BLOCK_M, BLOCK_N), has_key_lengths, dropout,
-                                              element_mods) and (
-        value == "1" or row_keys >= AUTO_ROW_KEYS[q.shape[3], mask.kind is MaskKind.CAUSAL])
+    return gluon_tools.chosen(q, k, mask, (BLOCK_M, BLOCK_N), row_keys,
+                              AUTO_ROW_KEYS.get((q.shape[3], mask.kind is MaskKind.CAUSAL), math.inf),
+                              has_key_lengths, dropout, element_mods)
 
 
 # ---------------------------------------------------------------------------------- launcher

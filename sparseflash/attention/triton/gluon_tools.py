@@ -134,3 +134,13 @@ def takes(q: torch.Tensor, k: torch.Tensor, mask, tiles: tuple[int, int], has_ke
                                                 zip(lengths, mask.block_size, tiles)))
     return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] in HEAD_DIMS and tiles_divide
             and not has_key_lengths and not dropout and not element_mods)
+
+
+def chosen(q: torch.Tensor, k: torch.Tensor, mask, tiles: tuple[int, int], row_keys: float, auto_row_keys: float,
+           has_key_lengths: bool, dropout: bool, element_mods: bool) -> bool:
+    """Whether calls take a Gluon kernel of (query, key) tiles ``tiles``: with ``choice()`` "1" wherever it
+    ``takes`` them, "auto" there on rows of ``row_keys`` >= ``auto_row_keys`` keys on average (where it was
+    measured faster), "0" never."""
+    value = choice()
+    return value != "0" and takes(q, k, mask, tiles, has_key_lengths, dropout, element_mods) and (
+        value == "1" or row_keys >= auto_row_keys)
