@@ -9,10 +9,13 @@ from typing import Iterator
 
 from sparseflash import masks
 from sparseflash.attention import SparseAttention, attention
+from sparseflash.attention import warm_up
 from sparseflash.masks import BlockMask, MaskKind
 
 __all__ = ["attention", "BlockMask", "MaskKind", "masks", "SparseAttention", "tuned"]
 __version__ = "0.1.0"
+
+warm_up.start()  # with a CUDA build of torch: Triton's compiler hash, on a thread (attention/warm_up.py)
 
 
 @contextlib.contextmanager

@@ -167,7 +167,8 @@ def test_a_standin_has_the_layout_of_a_new_tensor(shape):
 
 
 @pytest.mark.gpu
-def test_a_first_call_compiles_forward_and_backward_on_the_compile_threads():
+@pytest.mark.parametrize("gradient", ["dense", "expanded"])
+def test_a_first_call_compiles_forward_and_backward_on_the_compile_threads(gradient):
     import triton
 
     import sparseflash
@@ -187,7 +188,8 @@ def test_a_first_call_compiles_forward_and_backward_on_the_compile_threads():
     triton.knobs.compilation.listener = record
     try:
         o = sparseflash.attention(q, k, v, "causal", score_mod=score_mod)
-        o.backward(torch.randn_like(o))  # as a model's gradients come: dense (o.sum()'s has stride 0)
+        # as a model's gradients come (dense), or o.sum()'s (expanded, strides 0: read from a dense copy)
+        o.backward(torch.randn_like(o) if gradient == "dense" else torch.ones(()).to(o).expand_as(o))
     finally:
         triton.knobs.compilation.listener = previous
     # new with the function: the forward, and the backward's dK/dV and dQ kernels (the preprocess depends on

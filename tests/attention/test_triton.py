@@ -1,7 +1,9 @@
 """Triton kernels against the reference: forward, lse and the three gradients.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (set by conftest) on small shapes. The ``gpu``
-tests run the same comparisons at realistic sizes on CUDA, and also against FlexAttention.
+tests run the same comparisons at realistic sizes on CUDA, and also against FlexAttention. On Hopper,
+long rows take the Gluon kernels by default; these tests keep to the Triton ones (test_gluon.py tests
+the others).
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ from sparseflash.attention.triton.plan import head_dim_parts
 from sparseflash.masks import make
 from tests.helpers import REL_TOL as TOL
 from tests.helpers import assert_close, assert_dkdv_query_rows, attention_with_grads, check_backend, dkdv_query_rows
+
+
+@pytest.fixture(autouse=True)
+def triton_kernels_only(monkeypatch):
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "0")
 
 
 def _mask(kind: str, q_len: int, kv_len: int, heads: int):

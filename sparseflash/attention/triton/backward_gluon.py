@@ -348,7 +348,7 @@ def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, stats_stride: int, ahead:
     rows = gluon_tools.layout_rows(plan.per_layout.setdefault("gluon_backward", {}), (q, k, v, do))
     if None in rows[:3]:
         return False
-    if rows[3] is None:  # e.g. o.sum()'s gradient, expanded (strides 0): read a contiguous copy
+    if rows[3] is None:  # strides TMA cannot read (rows not 16-byte aligned): read a contiguous copy
         do = do.contiguous()
         rows = [*rows[:3], row_view_rows(do)]
     block_m = BLOCK_M[q.shape[3]]

@@ -1,0 +1,36 @@
+"""Work that a process's first kernel launch would otherwise wait for, started in the background when
+sparseflash is imported with a CUDA build of torch.
+
+The first compile of a process, whether Triton's cache holds the kernel or not, first hashes Triton's own
+compiler (``triton.runtime.cache.triton_key``: its Python sources and its 100+ MB shared library, 0.4 s
+on an H100 host). A thread of its own hashes it while the program builds its model, loads data and starts
+CUDA, which usually takes longer, so that a first call finds it done: a new process whose kernels are
+cached starts in a third to a half of the time. Triton itself is imported on the importing thread: a
+package's modules imported on two threads at once can meet each other half-initialised (Python then
+raises an ImportError), and the hash imports nothing. ``SPARSEFLASH_WARM_UP=0`` turns it off; under
+Triton's interpreter (``TRITON_INTERPRET=1``), which compiles nothing, it does not run.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+
+def start() -> threading.Thread | None:
+    """Import Triton and start hashing its compiler on a thread (not a daemon: a process that ends at once
+    waits for it, under a second, rather than killing it mid-hash). None where it does not run: turned
+    off, under the interpreter, with a torch built without CUDA, or without Triton."""
+    if os.environ.get("SPARSEFLASH_WARM_UP", "1") == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return None
+    if torch.version.cuda is None:
+        return None
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return None
+    thread = threading.Thread(target=triton_key, name="sparseflash-warm-up")  # lru_cache keeps the hash
+    thread.start()
+    return thread
