@@ -312,7 +312,7 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM
                      MASK_KIND, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, STAGES)),
     # registers a thread: the consumers' tiles take 240, the producer's loads 24. The producer is one warp, as
     # FlashAttention-4's (whose other three exit): four spun on the same mbarriers, 8 % of the instructions
-    # issued, and took issue slots from the consumers (one warp: 1.00-1.05x on an H100, most at hd64)
+    # issued, and took issue slots from the consumers (one warp: 0.99-1.05x on an H100, most at hd64)
     ], [4, 1], [240, 24])
 
 
