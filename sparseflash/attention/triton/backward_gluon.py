@@ -54,7 +54,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.forward_persistent import row_view_rows
@@ -232,7 +231,7 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
             fence_async_shared()
             tma_reduce_add(dq_desc, [bh * q_len + q_start + dq_row, dq_column], dq_smem)
             dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
-            async_copy.mbarrier_arrive(q_empty.index(stage), increment_count=False)  # every thread, no rendezvous
+            mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
             n += 1
     rows = bk * kv_len + kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -272,7 +271,7 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_de
     mbarrier.init(kv_ready, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2 * 128)  # one arrival per consumer thread
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
 
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([

@@ -50,7 +50,6 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.gluon_tools import (listed_walk, named_arrive, named_sync, row_view,
@@ -219,7 +218,6 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
         mbarrier.wait(k_ready.index((used + 1) % STAGES), ((used + 1) // STAGES) & 1, pred=1 < n_loads)
-        gl.thread_barrier()
         for j in range(1, n_loads):
             tile = used + j
             stage = tile % STAGES
@@ -244,7 +242,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             p_new = gl.convert_layout(p.to(q.dtype), p_layout)
             alpha_o = gl.convert_layout(alpha, row_o)
             acc, p_op, p_new, alpha_o, l_i = warpgroup_mma_wait(0, deps=(acc, p_op, p_new, alpha_o, l_i))
-            async_copy.mbarrier_arrive(kv_empty.index(prev), increment_count=False)
+            mbarrier.arrive(kv_empty.index(prev))  # this warpgroup is done with K and V of tile j - 1
             acc = acc * alpha_o[:, None]
             p_op = p_new
         mbarrier.arrive(q_empty)  # every product with Q is done: the producer may load the next item's
@@ -252,7 +250,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        async_copy.mbarrier_arrive(kv_empty.index(last % STAGES), increment_count=False)
+        mbarrier.arrive(kv_empty.index(last % STAGES))
         used += n_loads
         if MAY_BE_EMPTY:
             l_o = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), row_o)
@@ -295,7 +293,7 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2 * 128)
+        mbarrier.init(kv_empty.index(i), count=2)
 
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([
