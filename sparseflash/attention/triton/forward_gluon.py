@@ -93,14 +93,6 @@ def _safe_max(m, MAY_BE_EMPTY: gl.constexpr):
 
 
 @gluon.jit
-def _thread_row_sums(p, BLOCK_N: gl.constexpr):
-    """Row sums of p's scores that each thread holds (the wgmma layout gives a thread 2 columns of every 8):
-    [rows, 8], added across threads only once, at the end."""
-    HALF_M: gl.constexpr = p.type.shape[0]
-    return gl.sum(gl.reshape(p, [HALF_M, BLOCK_N // 8, 8]), 1)
-
-
-@gluon.jit
 def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m,
                stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
@@ -222,7 +214,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
                 s = gl.full_like(s, float("-inf"))
         m_i = gl.max(s, 1)
         p = gl.exp2(s * qk_scale - (_safe_max(m_i, MAY_BE_EMPTY) * qk_scale)[:, None])
-        l_part = _thread_row_sums(p, BLOCK_N)
+        l_i = gl.sum(p, 1)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
         mbarrier.wait(k_ready.index((used + 1) % STAGES), ((used + 1) // STAGES) & 1, pred=1 < n_loads)
@@ -242,15 +234,14 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             m_use = _safe_max(m_new, MAY_BE_EMPTY)
             alpha = gl.exp2((m_i - m_use) * qk_scale)
             p = gl.exp2(s * qk_scale - (m_use * qk_scale)[:, None])
-            part = _thread_row_sums(p, BLOCK_N)
-            l_part = l_part * gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout))[:, None] + part
+            l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
             # the next key tile's wait sits here: its branch keeps ptxas from hoisting the PV wait above the
             # softmax
             mbarrier.wait(k_ready.index((tile + 1) % STAGES), ((tile + 1) // STAGES) & 1, pred=j + 1 < n_loads)
             p_new = gl.convert_layout(p.to(q.dtype), p_layout)
             alpha_o = gl.convert_layout(alpha, row_o)
-            acc, p_op, p_new, alpha_o, l_part = warpgroup_mma_wait(0, deps=(acc, p_op, p_new, alpha_o, l_part))
+            acc, p_op, p_new, alpha_o, l_i = warpgroup_mma_wait(0, deps=(acc, p_op, p_new, alpha_o, l_i))
             mbarrier.arrive(kv_empty.index(prev))  # this warpgroup is done with K and V of tile j - 1
             acc = acc * alpha_o[:, None]
             p_op = p_new
@@ -261,7 +252,6 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(kv_empty.index(last % STAGES))
         used += n_loads
-        l_i = gl.convert_layout(gl.sum(l_part, 1), gl.SliceLayout(1, s_layout))
         if MAY_BE_EMPTY:
             l_o = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), row_o)
         else:
