@@ -8,8 +8,7 @@ import contextlib
 from typing import Iterator
 
 from sparseflash import masks
-from sparseflash.attention import SparseAttention, attention
-from sparseflash.attention import warm_up
+from sparseflash.attention import SparseAttention, attention, warm_up
 from sparseflash.masks import BlockMask, MaskKind
 
 __all__ = ["attention", "BlockMask", "MaskKind", "masks", "SparseAttention", "tuned"]
