@@ -5,8 +5,8 @@ A program holds one 128-key tile of one (batch, key/value head): every key tile 
 (programs that stream the same queries run together, and share them in L2), within a head the longest
 CAUSAL columns first.
 It walks the query tiles (64 rows at head dim 128, 128 at 64: FlashAttention-4's sizes) that see its keys,
-for each query head of its GQA group in turn. Three warpgroups:
-  producer   (24 registers a thread) loads K and V once (two 64-row halves each), then Q_i, dO_i, lse2_i
+for each query head of its GQA group in turn. Two consumer warpgroups and a producer:
+  producer   (one warp, a warpgroup for SPARSE; 24 registers a thread) loads K and V once (two 64-row halves each), then Q_i, dO_i, lse2_i
              and delta_i of each query tile by TMA into a ring of STAGES buffers (``q_ready`` / ``q_empty``
              mbarriers, two arrivals on ``q_empty``, one per consumer).
   consumers  two warpgroups, warpgroup w owning keys [64 w, 64 w + 64) of the tile. For each query tile,
@@ -291,10 +291,10 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_de
                      stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b,
                      stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
                      kv_len, stats_stride, MASK_KIND, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, STAGES)),
-    # registers a thread: the consumers' dK, dV and tiles take 240, the producer's loads 24. A one-warp producer,
-    # as the forward's, ran dense and causal rows 0.99-1.16x as fast on an H100 but SPARSE ones at head dim 64
-    # 0.95-0.96x (S=16384), so the producer stays a warpgroup
-    ], [4, 4], [240, 24])
+    # registers a thread: the consumers' dK, dV and tiles take 240, the producer's loads 24. The producer is one
+    # warp for DENSE and CAUSAL, as the forward's (dense rows 1.03x as fast from S=16384 on an H100, the rest
+    # within the spread), four for SPARSE, whose rows at head dim 64 ran 0.95-0.96x as fast with one
+    ], [4, 4 if MASK_KIND == 2 else 1], [240, 24])
 
 
 # ---------------------------------------------------------------------------------- when it applies
