@@ -36,7 +36,7 @@ import torch
 import sparseflash
 from sparseflash import masks
 from sparseflash.attention.score_mods import make_score_mod
-from sparseflash.attention.triton import tuning
+from sparseflash.attention.triton import launch, tuning
 
 PATTERNS = {  # label: (pattern name, make's keyword arguments, score_mod name)
     "dense": ("dense", {}, None),
@@ -126,7 +126,7 @@ def main() -> None:
 
     meta = {"gpu": torch.cuda.get_device_name(), **tuning.architecture(torch.cuda.current_device()),
             "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
-    cache_root = os.environ.get("SPARSEFLASH_CACHE_DIR", str(Path.home() / ".cache" / "sparseflash"))
+    cache_root = str(launch.cache_root())
     shapes = [(f"hd{head_dim} S={seq_len} {label}", functools.partial(run_shape, seq_len, head_dim, label,
                                                                        args.tokens, args.hidden))
               for head_dim in args.head_dims for seq_len in args.seq_lens for label in args.patterns

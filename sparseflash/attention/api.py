@@ -131,6 +131,8 @@ def _check_inputs(q, k, v, key_lengths, scale) -> float:
         raise ValueError(f"k and v must have the same shape [B, H_kv, S_kv, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
     if kb != batch:
         raise ValueError(f"batch sizes differ: q has B={batch}, k and v have B={kb}")
+    if batch < 1 or heads < 1:
+        raise ValueError(f"B and H must be >= 1; got B={batch}, H={heads}")
     if q.shape[2] < 1 or kv_len < 1:
         raise ValueError(f"S_q and S_kv must be >= 1; got S_q={q.shape[2]}, S_kv={kv_len}")
     if kd != dim:
@@ -223,6 +225,7 @@ def attention(
         mask = resolve_mask(mask, q.shape[2], k.shape[2], q.shape[1], k.shape[1], q.device)
         if mask.num_batches not in (1, q.shape[0]):
             raise ValueError(f"mask has {mask.num_batches} batch elements; expected 1 or B={q.shape[0]}")
+        mask.check_shared_dims(q.shape[0], q.shape[1])
     if score_mod is not None and name in ("reference", "standard"):  # the others trace it themselves
         trace(score_mod, "score_mod")  # a function the kernels cannot run fails on every backend
     seed = draw_seed(q.device) if dropout_p > 0 else None

@@ -9,7 +9,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from sparseflash.attention.api import attention, built_mask
+from sparseflash.attention.api import attention, built_mask, resolve_backend
 from sparseflash.attention.dropout import check_p
 from sparseflash.attention.score_mods import make_score_mod
 from sparseflash.masks import BlockMask, MaskSpec
@@ -41,7 +41,11 @@ class SparseAttention(nn.Module):
                  kv_heads: int | None = None, dropout: float = 0.0, bias: bool = True,
                  score_mod: ScoreModArg = None, attn_dropout: float = 0.0):
         super().__init__()
-        kv_heads = kv_heads or heads
+        for name, value in (("dim", dim), ("heads", heads), ("kv_heads", heads if kv_heads is None else kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SparseAttention's {name} must be an int >= 1; got {value!r}")
+        kv_heads = heads if kv_heads is None else kv_heads
+        resolve_backend(backend, torch.device("cpu"))  # an unknown name fails here, not at the first forward
         if dim % heads or heads % kv_heads:
             raise ValueError(f"need dim % heads == 0 and heads % kv_heads == 0; got dim={dim}, "
                              f"heads={heads}, kv_heads={kv_heads}")
@@ -66,9 +70,12 @@ class SparseAttention(nn.Module):
                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x (B, S, dim)``; ``key_lengths (B,)``: keys from there on are padding; ``key_mask (B, S)``
         bool: the keys any query may attend to (False ones are left out wherever they are)."""
-        if x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"SparseAttention(dim={self.dim}) takes x of shape (B, S, {self.dim}); "
-                             f"got {tuple(x.shape)}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"SparseAttention(dim={self.dim}) takes x of shape (B, S, {self.dim}); got {got}")
+        if key_mask is not None and not isinstance(key_mask, torch.Tensor):
+            raise ValueError(f"key_mask must be a bool tensor of shape {tuple(x.shape[:2])} (B, S); "
+                             f"got {type(key_mask).__name__}")
         if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != tuple(x.shape[:2])
                                      or key_mask.device != x.device):
             raise ValueError(f"key_mask must be a bool tensor of shape {tuple(x.shape[:2])} (B, S) on {x.device}; "

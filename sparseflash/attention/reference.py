@@ -22,7 +22,7 @@ from sparseflash.attention.dropout import Dropout, kept
 from sparseflash.masks import BlockMask
 
 
-def allowed_scores(mask: BlockMask, key_lengths: torch.Tensor | None, batch: int, device) -> torch.Tensor:
+def allowed_scores(mask: BlockMask, key_lengths: torch.Tensor | None, device) -> torch.Tensor:
     """Element-level bool ``[B or 1, H_or_1, S_q, S_kv]``: True where a score is kept."""
     allowed = mask.to(device).to_dense()
     allowed = allowed if allowed.dim() == 4 else allowed[None]
@@ -59,7 +59,7 @@ def reference_attention(
     qf = q.to(work)
     kf = k.to(work).repeat_interleave(groups, dim=1)
     vf = v.to(work).repeat_interleave(groups, dim=1)
-    allowed = allowed_scores(mask, key_lengths, q.shape[0], q.device)  # (B|1, H|1, S_q, S_kv)
+    allowed = allowed_scores(mask, key_lengths, q.device)  # (B|1, H|1, S_q, S_kv)
     s = (qf @ kf.transpose(-1, -2)) * scale
     if score_mod is not None:
         s = score_mod(s, *score_mod_indices(s))

@@ -4,7 +4,7 @@ A score function is ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (FlexAtte
 ``sparseflash.masks.functions`` lists what it may use), passed as ``attention(..., score_mod=fn)``.
 A registered factory ``fn(heads, **params) -> score_mod`` makes one by name:
 ``make_score_mod("alibi", heads=8)``, which is what ``SparseAttention(score_mod="alibi")`` and the
-Hydra key ``attention.score_mod=alibi`` (with ``attention.score_mod_params``) call. A factory may
+Hydra key ``attention.score_mod=alibi`` (or ``{name: softcap, params: {cap: 30}}``) call. A factory may
 return an ``nn.Module`` whose ``forward`` is the score function: ``SparseAttention`` then holds it as
 a submodule, so its parameters train (``relative_bias``) and its buffers follow ``.to(device)``.
 """
@@ -53,8 +53,9 @@ def make_score_mod(name: str, heads: int, **params) -> ScoreMod:
 
 
 def alibi_slopes(heads: int) -> torch.Tensor:
-    """ALiBi's per-head slopes (Press et al.): the geometric sequence ``2^(-8 i / n)`` for the nearest
-    power of two ``n >= heads``, interleaved as in the paper's reference code when heads is not one."""
+    """ALiBi's per-head slopes (Press et al.): the geometric sequence ``2^(-8 i / n)``, i = 1..n, for
+    ``n = heads`` when heads is a power of two; otherwise, as the paper's reference code, those of the
+    largest power of two below heads followed by every other slope of twice that many."""
     def powers(n: int) -> list[float]:
         start = 2.0 ** (-8.0 / n)
         return [start ** (i + 1) for i in range(n)]

@@ -90,20 +90,30 @@ def layout_to_tables(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num_blocks, indices
 
 
+def check_count(value, name: str) -> int:
+    """``value`` as an int >= 1 (a sequence length), else ValueError naming ``name``: a float, a string or a
+    bool is not a length."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+    if value.__index__() < 1:
+        raise ValueError(f"{name} must be >= 1; got {value}")
+    return value.__index__()
+
+
 def _check_block(value: int, name: str) -> int:
-    value = int(value)
-    if not (MIN_BLOCK <= value <= MAX_BLOCK and value & (value - 1) == 0):
+    value = value.__index__() if hasattr(value, "__index__") and not isinstance(value, bool) else value
+    if not isinstance(value, int) or not (MIN_BLOCK <= value <= MAX_BLOCK and value & (value - 1) == 0):
         raise ValueError(
-            f"{name} must be a power of two from {MIN_BLOCK} to {MAX_BLOCK}; got {value}"
+            f"{name} must be a power of two from {MIN_BLOCK} to {MAX_BLOCK}; got {value!r}"
         )
     return value
 
 
 def normalize_block_size(block_size: int | tuple[int, int]) -> tuple[int, int]:
     """``128`` or ``(128, 64)`` -> ``(SPARSE_BLOCK_M, SPARSE_BLOCK_N)``, checked."""
-    if isinstance(block_size, int):
+    if hasattr(block_size, "__index__"):
         block_size = (block_size, block_size)
-    if len(block_size) != 2:
+    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
         raise ValueError(f"block_size must be an int or a pair (M, N); got {block_size!r}")
     return _check_block(block_size[0], "SPARSE_BLOCK_M"), _check_block(block_size[1], "SPARSE_BLOCK_N")
 
@@ -145,11 +155,9 @@ class BlockMask:
             raise ValueError(f"layout must be a bool tensor; got dtype {layout.dtype}")
         block_m, block_n = normalize_block_size(block_size)
         n_q, n_kv = layout.shape[-2:]
-        q_len = n_q * block_m if q_len is None else int(q_len)
-        kv_len = n_kv * block_n if kv_len is None else int(kv_len)
+        q_len = n_q * block_m if q_len is None else check_count(q_len, "q_len")
+        kv_len = n_kv * block_n if kv_len is None else check_count(kv_len, "kv_len")
         for name, length, n, block in (("q_len", q_len, n_q, block_m), ("kv_len", kv_len, n_kv, block_n)):
-            if length < 1:
-                raise ValueError(f"{name} must be >= 1; got {length}")
             if -(-length // block) != n:
                 raise ValueError(
                     f"{name}={length} with block {block} needs {-(-length // block)} blocks; "
@@ -231,6 +239,16 @@ class BlockMask:
         """The mask_mod's traced graph (``sparseflash.masks.functions``), None without a mask_mod."""
         return self._mask_graph
 
+    def check_shared_dims(self, batch: int, heads: int) -> None:
+        """Raise ValueError where the mask_mod reads ``b`` (``h``) but the mask holds one batch element (head)
+        for inputs of several: its tiles were classified with 0 alone, so it cannot serve the others."""
+        reads = self._mask_graph.output.deps if self._mask_graph is not None else frozenset()
+        for arg, have, want, what, option in (("h", self.num_heads, heads, "head", "heads"),
+                                              ("b", self.num_batches, batch, "batch element", "batch")):
+            if arg in reads and have == 1 and want > 1:
+                raise ValueError(f"the mask's mask_mod reads {arg}, but the mask was built for one {what} and the "
+                                 f"inputs have {want}: build it with from_mask_mod(..., {option}={want})")
+
     def mask_mod_at(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         """The element predicate (causal and mask_mod) at broadcastable ``q_idx``, ``kv_idx`` (absolute
         positions), as bool ``[B_or_1, H_or_1, ...]``."""
@@ -240,12 +258,13 @@ class BlockMask:
         """The mask that batch element ``b`` sees, with no batch dimension (itself when it has none)."""
         if self.layout.dim() == 3:
             return self
-        mod = self.mask_mod
-        index = torch.tensor(b, device=self.device)
-        view_mod = lambda _b, h, q_idx, kv_idx: mod(index, h, q_idx, kv_idx)  # noqa: E731
+        mod, view_mod = self.mask_mod, None  # a layout per batch element may come without a mask_mod
+        if mod is not None:
+            index = torch.tensor(b, device=self.device)
+            view_mod = lambda _b, h, q_idx, kv_idx: mod(index, h, q_idx, kv_idx)  # noqa: E731
         return BlockMask._restore(self.layout[b], self.block_size, self.q_len, self.kv_len, self.causal, view_mod,
                                   self._partial_tiles if self._partial_tiles.dim() < 4 else self._partial_tiles[b],
-                                  self._mod_kept[b])
+                                  None if self._mod_kept is None else self._mod_kept[b])
 
     # ------------------------------------------------------------------ derived views
     @property

@@ -44,6 +44,8 @@ BINARY_TORCH = {"minimum": "minimum", "maximum": "maximum", "add": "add", "sub":
                 "__rand__": "and", "__ror__": "or", "__rxor__": "xor"}
 COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 MAX_CAPTURE_DIMS = 4
+CAPTURE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+                  torch.int8, torch.uint8, torch.bool)  # what the kernels load from a captured tensor
 
 
 class TraceError(ValueError):
@@ -355,6 +357,9 @@ class _Tracer:
         raise TraceError(f"uses a value of type {type(x).__name__}; supported: {SUPPORTED}")
 
     def slot(self, tensor: torch.Tensor) -> int:
+        if tensor.dtype not in CAPTURE_DTYPES:
+            raise TraceError(f"captures a tensor of dtype {tensor.dtype}; captured tensors may be "
+                             f"{', '.join(str(d).removeprefix('torch.') for d in CAPTURE_DTYPES)}")
         if id(tensor) not in self._slots:
             self._slots[id(tensor)] = len(self.graph.captures)
             self.graph.captures.append(tensor)
@@ -445,7 +450,9 @@ class _Tracer:
 
 
 def check_arity(fn: Callable, arg_names: tuple[str, ...], what: str) -> None:
-    """Raise ValueError unless ``fn`` can be called with ``len(arg_names)`` positional arguments."""
+    """Raise TypeError unless ``fn`` is callable, ValueError unless with ``len(arg_names)`` positional arguments."""
+    if not callable(fn):
+        raise TypeError(f"a {what} must be a function of ({', '.join(arg_names)}); got {type(fn).__name__}")
     try:
         inspect.signature(fn).bind(*arg_names)
     except TypeError:

@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from sparseflash.masks.block_mask import DEFAULT_BLOCK, BlockMask, normalize_block_size
+from sparseflash.masks.block_mask import DEFAULT_BLOCK, BlockMask, check_count, normalize_block_size
 from sparseflash.masks.functions import trace
 
 PatternFn = Callable[..., torch.Tensor]
@@ -75,6 +75,9 @@ def register_mask_mod(name: str) -> Callable[[PatternFn], PatternFn]:
 
 
 def _registrar(name: str, causal: bool, element: bool) -> Callable[[PatternFn], PatternFn]:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a pattern's name must be a non-empty string; got {name!r}")
+
     def decorate(fn: PatternFn) -> PatternFn:
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
             raise ValueError(f"pattern {name!r} is already registered (by {_REGISTRY[name].fn.__module__})")
@@ -89,6 +92,9 @@ def import_patterns(sources: Iterable[str]) -> None:
 
     Each source is a ``.py`` file path or a dotted module name (found from the working
     directory too), e.g. ``import_patterns=[my_patterns.py]`` on the experiments' command line."""
+    if isinstance(sources, str):
+        raise ValueError(f"import_patterns takes a list of files or modules; got the string {sources!r}: "
+                         f"write [{sources}]")
     for source in sources:
         if source.endswith(".py") or os.sep in source:
             path = Path(source).resolve()
@@ -169,19 +175,27 @@ def make(
         **params: the pattern's own parameters.
     """
     pattern = get(name)
-    if heads is not None and heads < 1:
-        raise ValueError(f"heads must be None or >= 1; got {heads}")
-    kv_len = q_len if kv_len is None else kv_len
-    block_m, block_n = normalize_block_size(block)
+    q_len, kv_len, (block_m, block_n), n_q, n_kv = _geometry(q_len, kv_len, block, heads=heads)
     if pattern.element:
         return _element_mask(pattern, q_len, kv_len, (block_m, block_n), heads, causal, device, params)
-    n_q, n_kv = -(-q_len // block_m), -(-kv_len // block_n)
     if heads is not None and pattern.per_head:
         layout = torch.stack([_call_pattern(pattern, n_q, n_kv, params, h) for h in range(heads)])
     else:
         layout = _call_pattern(pattern, n_q, n_kv, params, 0 if pattern.per_head else None)[None]
     mask = BlockMask(layout, (block_m, block_n), q_len, kv_len, causal=causal or pattern.causal)
     return mask if device is None else mask.to(device)
+
+
+def _geometry(q_len, kv_len, block, **counts) -> tuple[int, int, tuple[int, int], int, int]:
+    """``(q_len, kv_len, (SPARSE_BLOCK_M, SPARSE_BLOCK_N), n_q_blocks, n_kv_blocks)``, checked, kv_len defaulting to
+    q_len; each of ``counts`` (heads, batch) None or an int >= 1."""
+    for name, value in counts.items():
+        if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__") or value < 1):
+            raise ValueError(f"{name} must be None or an int >= 1; got {value!r}")
+    q_len = check_count(q_len, "q_len")
+    kv_len = q_len if kv_len is None else check_count(kv_len, "kv_len")
+    block_m, block_n = normalize_block_size(block)
+    return q_len, kv_len, (block_m, block_n), -(-q_len // block_m), -(-kv_len // block_n)
 
 
 def _element_mask(pattern: Pattern, q_len: int, kv_len: int, block: tuple[int, int], heads: int | None,
@@ -227,14 +241,11 @@ def from_mask_mod(
     ``batch``/``heads``: the function depends on ``b``/``h`` (None: it does not, and is evaluated
     with 0), giving a layout with a batch dimension of ``batch`` / ``heads`` heads.
     """
-    for name, value in (("batch", batch), ("heads", heads)):
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be None or >= 1; got {value}")
-    kv_len = q_len if kv_len is None else kv_len
+    q_len, kv_len, block, _, _ = _geometry(q_len, kv_len, block, batch=batch, heads=heads)
     if device is None:
         captured = trace(mask_mod, "mask_mod").captures
         device = next((t.device for t in captured if t.device.type != "cpu"), torch.device("cpu"))
-    return _mask_from_mod(mask_mod, q_len, kv_len, normalize_block_size(block), batch, heads, device, False)
+    return _mask_from_mod(mask_mod, q_len, kv_len, block, batch, heads, device, False)
 
 
 def _mask_from_mod(mask_mod, q_len: int, kv_len: int, block: tuple[int, int], batch: int | None,
@@ -258,16 +269,19 @@ def from_block_fn(
     returns a bool tensor broadcastable to ``[H, n_q, n_kv]``, e.g.
     ``from_block_fn(lambda h, i, j: (i - j).abs() <= 2, q_len=4096)``.
     """
-    if heads is not None and heads < 1:
-        raise ValueError(f"heads must be None or >= 1; got {heads}")
-    kv_len = q_len if kv_len is None else kv_len
-    block_m, block_n = normalize_block_size(block)
-    n_q, n_kv = -(-q_len // block_m), -(-kv_len // block_n)
+    q_len, kv_len, block, n_q, n_kv = _geometry(q_len, kv_len, block, heads=heads)
     h = torch.arange(heads or 1)[:, None, None]
     i = torch.arange(n_q)[None, :, None]
     j = torch.arange(n_kv)[None, None, :]
-    layout = torch.as_tensor(fn(h, i, j)).expand(heads or 1, n_q, n_kv)
-    return BlockMask(layout.clone(), (block_m, block_n), q_len, kv_len, causal)
+    layout, shape = torch.as_tensor(fn(h, i, j)), (heads or 1, n_q, n_kv)
+    try:
+        fits = layout.dtype == torch.bool and torch.broadcast_shapes(layout.shape, shape) == shape
+    except RuntimeError:  # shapes that do not broadcast
+        fits = False
+    if not fits:
+        raise ValueError(f"fn must return a bool tensor broadcastable to {shape}; got {layout.dtype} "
+                         f"{tuple(layout.shape)}")
+    return BlockMask(layout.expand(shape).clone(), block, q_len, kv_len, causal)
 
 
 # ---------------------------------------------------------------------------- built-in patterns
@@ -332,14 +346,24 @@ def local(n_q: int, n_kv: int, window: int = 1) -> torch.Tensor:
     return _window(n_q, n_kv, window)
 
 
-@register("strided")
-def strided(n_q: int, n_kv: int, stride: int = 4, summary: int = 1) -> torch.Tensor:
+@register("fixed")
+def fixed(n_q: int, n_kv: int, stride: int = 4, summary: int = 1) -> torch.Tensor:
     """Sparse Transformer "fixed": tiles in the query's own chunk of ``stride`` blocks, plus the
     last ``summary`` blocks of every chunk (the summary columns every query reads)."""
     if stride < 1 or not 1 <= summary <= stride:
-        raise ValueError(f"strided needs stride >= 1 and 1 <= summary <= stride; got {stride}, {summary}")
+        raise ValueError(f"fixed needs stride >= 1 and 1 <= summary <= stride; got {stride}, {summary}")
     i, j = _grid(n_q, n_kv)
     return (i // stride == j // stride) | (j % stride >= stride - summary)
+
+
+@register("strided")
+def strided(n_q: int, n_kv: int, stride: int = 4) -> torch.Tensor:
+    """Sparse Transformer "strided": the ``stride`` - 1 blocks each side of the diagonal, plus every
+    ``stride``-th block before and after it (with ``causal=True``, the paper's causal form)."""
+    if stride < 1:
+        raise ValueError(f"strided needs stride >= 1; got {stride}")
+    i, j = _grid(n_q, n_kv)
+    return ((i - j).abs() < stride) | ((i - j) % stride == 0)
 
 
 @register("longformer")

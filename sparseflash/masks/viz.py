@@ -52,7 +52,7 @@ def ascii_picture(mask: "BlockMask", max_cells: int = 64, max_heads: int = 4) ->
     panels = _panels(mask, max_heads)
     for label, index in panels:
         on = full[index] | partial[index]
-        any_on, all_full, group = _downsample(on, max_cells)
+        any_on, _, group = _downsample(on, max_cells)
         _, all_full, _ = _downsample(full[index], max_cells)
         if mask.layout[..., 0, 0].numel() > 1 or group > 1:
             lines.append(label + (f" ({group}x{group} tiles per character)" if group > 1 else ""))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sparseflash
-from sparseflash.masks import BlockMask, from_block_fn, from_layout, make, patterns, register
+from sparseflash.masks import BlockMask, from_block_fn, from_layout, from_mask_mod, make, patterns, register
 
 B, H, H_KV, S, D = 2, 4, 2, 40, 16
 
@@ -59,6 +59,9 @@ ATTENTION_ERRORS = {
                       r"q must be float16, bfloat16 or float32; got torch.float64"),
     "dtype-int": (lambda: _call(v=torch.ones(B, H_KV, S, D, dtype=torch.int32)),
                   r"v must be float16, bfloat16 or float32; got torch.int32"),
+    "empty-batch": (lambda: _call(q=torch.randn(0, H, S, D), k=torch.randn(0, H_KV, S, D), v=torch.randn(0, H_KV, S, D)),
+                    r"B and H must be >= 1; got B=0, H=4"),
+    "no-heads": (lambda: _call(q=torch.randn(B, 0, S, D)), r"B and H must be >= 1; got B=2, H=0"),
     "empty-q": (lambda: _call(q=torch.randn(B, H, 0, D)), r"S_q and S_kv must be >= 1; got S_q=0, S_kv=40"),
     "empty-kv": (lambda: _call(k=torch.randn(B, H_KV, 0, D), v=torch.randn(B, H_KV, 0, D)),
                  r"S_q and S_kv must be >= 1; got S_q=40, S_kv=0"),
@@ -69,6 +72,12 @@ ATTENTION_ERRORS = {
     "mask-heads": (lambda: _call(mask=make("random", S, block=16, heads=3)), r"mask has 3 heads; expected 1 or H=4"),
     "mask-kv-heads": (lambda: _call(mask=make("random", S, block=16, heads=H_KV)),
                       r"mask has 2 heads; expected 1 or H=4"),
+    "mask-mod-reads-h": (lambda: _call(mask=from_mask_mod(lambda b, h, q, kv: (q >= kv) | (h == 1), S, block=16)),
+                         r"the mask's mask_mod reads h, but the mask was built for one head and the inputs have 4: "
+                         r"build it with from_mask_mod\(\.\.\., heads=4\)"),
+    "mask-mod-reads-b": (lambda: _call(mask=from_mask_mod(lambda b, h, q, kv: (q >= kv) | (b == 1), S, block=16)),
+                         r"mask_mod reads b, but the mask was built for one batch element and the inputs have 2: "
+                         r"build it with from_mask_mod\(\.\.\., batch=2\)"),
     "mask-string": (lambda: _call(mask="sliding"),
                     r"mask must be None, 'causal', a BlockMask or a MaskSpec; got the string 'sliding'"),
     "mask-type": (lambda: _call(mask=torch.ones(3, 3, dtype=torch.bool)),
@@ -108,12 +117,14 @@ def test_attention_errors(case):
         call()
 
 
-@pytest.mark.parametrize("backend", ["reference", "blocked"])
+@pytest.mark.parametrize("backend", ["reference", "blocked", "triton"])
 def test_errors_do_not_depend_on_backend(backend):
     with pytest.raises(ValueError, match=r"batch sizes differ"):
         _call(k=torch.randn(1, H_KV, S, D), v=torch.randn(1, H_KV, S, D), backend=backend)
     with pytest.raises(ValueError, match=r"mask was built for q_len=41"):
         _call(mask=make("dense", S + 1, S, block=16), backend=backend)
+    with pytest.raises(ValueError, match=r"mask_mod reads h, but the mask was built for one head"):
+        _call(mask=from_mask_mod(lambda b, h, q, kv: (q >= kv) | (h == 1), S, block=16), backend=backend)
 
 
 def test_valid_inputs_pass():
@@ -152,6 +163,10 @@ MASK_ERRORS = {
                         r"kv_len must be >= 1; got -5"),
     "from-layout-block": (lambda: from_layout(torch.ones(2, 2, dtype=torch.bool), block=100),
                           r"power of two from 16 to 256; got 100"),
+    "block-float": (lambda: BlockMask(torch.ones(2, 2, dtype=torch.bool), 64.0),
+                    r"block_size must be an int or a pair \(M, N\); got 64.0"),
+    "q-len-float": (lambda: BlockMask(torch.ones(2, 2, dtype=torch.bool), 16, q_len=30.7),
+                    r"q_len must be an int >= 1; got 30.7"),
 }
 
 
@@ -188,10 +203,11 @@ MAKE_ERRORS = {
     "make-q-len-0": (lambda: make("dense", 0, block=16), r"q_len must be >= 1; got 0"),
     "butterfly-factors": (lambda: make("butterfly", 64, block=16, factors=-1), r"butterfly factors must be >= 0; got -1"),
     "local-window": (lambda: make("local", 64, block=16, window=-1), r"local window must be >= 0 blocks; got -1"),
-    "strided-stride": (lambda: make("strided", 64, block=16, stride=0),
-                       r"strided needs stride >= 1 and 1 <= summary <= stride; got 0, 1"),
-    "strided-summary": (lambda: make("strided", 64, block=16, stride=2, summary=3),
-                        r"strided needs stride >= 1 and 1 <= summary <= stride; got 2, 3"),
+    "strided-stride": (lambda: make("strided", 64, block=16, stride=0), r"strided needs stride >= 1; got 0"),
+    "fixed-stride": (lambda: make("fixed", 64, block=16, stride=0),
+                     r"fixed needs stride >= 1 and 1 <= summary <= stride; got 0, 1"),
+    "fixed-summary": (lambda: make("fixed", 64, block=16, stride=2, summary=3),
+                      r"fixed needs stride >= 1 and 1 <= summary <= stride; got 2, 3"),
     "random-density-0": (lambda: make("random", 64, block=16, density=0.0), r"random density must be in \(0, 1\]; got 0.0"),
     "random-density-big": (lambda: make("random", 64, block=16, density=1.5), r"random density must be in \(0, 1\]; got 1.5"),
     "longformer-window": (lambda: make("longformer", 64, block=16, window=-1), r"window must be >= 0 blocks; got -1"),
@@ -202,11 +218,21 @@ MAKE_ERRORS = {
                           r"global_blocks must be >= 0; got -1"),
     "bigbird-random-blocks": (lambda: make("bigbird", 64, block=16, random_blocks=-1),
                               r"bigbird random_blocks must be >= 0; got -1"),
-    "make-heads-0": (lambda: make("random", 64, block=16, heads=0), r"heads must be None or >= 1; got 0"),
+    "register-int": (lambda: register(3), r"a pattern's name must be a non-empty string; got 3"),
+    "import-patterns-string": (lambda: patterns.import_patterns("my_patterns.py"),
+                               r"import_patterns takes a list of files or modules; got the string 'my_patterns.py'"),
+    "make-heads-0": (lambda: make("random", 64, block=16, heads=0), r"heads must be None or an int >= 1; got 0"),
     "from-block-fn-heads-0": (lambda: from_block_fn(lambda h, i, j: i == j, 64, block=16, heads=0),
-                              r"heads must be None or >= 1; got 0"),
+                              r"heads must be None or an int >= 1; got 0"),
     "from-block-fn-dtype": (lambda: from_block_fn(lambda h, i, j: (i - j).abs(), 64, block=16),
-                            r"layout must be a bool tensor; got dtype torch.int64"),
+                            r"fn must return a bool tensor broadcastable to \(1, 4, 4\); got torch.int64 \(1, 4, 4\)"),
+    "from-block-fn-shape": (lambda: from_block_fn(lambda h, i, j: torch.ones(3, 5, dtype=torch.bool), 64, block=16),
+                            r"fn must return a bool tensor broadcastable to \(1, 4, 4\); got torch.bool \(3, 5\)"),
+    "make-float-length": (lambda: make("dense", 100.5, block=16), r"q_len must be an int >= 1; got 100.5"),
+    "make-string-block": (lambda: make("dense", 64, block="64"), r"block_size must be an int or a pair \(M, N\); got '64'"),
+    "make-float-heads": (lambda: make("random", 64, block=16, heads=2.5), r"heads must be None or an int >= 1; got 2.5"),
+    "from-mask-mod-batch": (lambda: from_mask_mod(lambda b, h, q, kv: q >= kv, 64, block=16, batch=True),
+                            r"batch must be None or an int >= 1; got True"),
 }
 
 

@@ -112,21 +112,26 @@ def test_gpu_gluon_forward_many_items_a_program(pattern, dim, dtype, monkeypatch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loss", ["sum", "sum-over-queries"])
-def test_gpu_gluon_backward_of_an_expanded_gradient(loss, monkeypatch):
-    """o.sum()'s gradient reaches the backward expanded (strides 0), which TMA cannot read: the Gluon
-    backward reads a contiguous copy; the gradients against the reference's."""
+@pytest.mark.parametrize("loss", ["sum", "sum-over-queries", "misaligned-gradient"])
+def test_gpu_gluon_backward_of_a_gradient_tma_cannot_read(loss, monkeypatch):
+    """o.sum()'s gradient reaches the backward expanded (strides 0), a gradient given by the caller may be
+    contiguous but not 16-byte aligned: TMA reads neither, the Gluon backward reads a copy; the gradients
+    against the reference's."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     q, k, v, _ = _inputs("s256", 128, torch.bfloat16)
+    misaligned = torch.randn(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape)  # 2 bytes off
     launched = _spy_launches(monkeypatch)
     grads = []
     for backend in ("triton", "reference"):
         leaves = [x.detach().float().requires_grad_() if backend == "reference" else x.detach().requires_grad_()
                   for x in (q, k, v)]
         o = sparseflash.attention(*leaves, make("causal", 256), backend=backend)
-        (o.sum() if loss == "sum" else o.sum(dim=2).pow(2).sum()).backward()
+        if loss == "misaligned-gradient":
+            o.backward(misaligned.to(o.dtype))
+        else:
+            (o.sum() if loss == "sum" else o.sum(dim=2).pow(2).sum()).backward()
         grads.append([x.grad.float() for x in leaves])
     for got, want in zip(*grads):
         assert torch.isfinite(got).all()

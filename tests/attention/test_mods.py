@@ -52,6 +52,9 @@ def _mask(kind: str, q_len: int, kv_len: int, batch: int, heads: int, device):
             return (q_idx - kv_idx >= 0) & (q_idx - kv_idx < widths[b, h])
         return masks.from_mask_mod(per_batch_and_head, q_len, kv_len, block=block, batch=batch, heads=heads,
                                    device=device), None
+    if kind == "per-batch-layout":  # a [B, 1, n_q, n_kv] block layout without an element predicate
+        layout = torch.rand(batch, 1, -(-q_len // block[0]), -(-kv_len // block[1]), device=device) < 0.6
+        return masks.BlockMask(layout, block, q_len, kv_len), None
     if kind == "empty-rows":  # queries 10-49 see no key at all; others keep a few
         def hole(b, h, q_idx, kv_idx):
             return ((q_idx < 10) | (q_idx >= 50)) & ((kv_idx * 7 + q_idx) % 5 != 0)
@@ -90,6 +93,7 @@ CPU_CASES = [
     ("sliding-causal", 70, 130, 8, torch.bfloat16, True, True),
     ("sliding-both-sides", 100, 63, 16, torch.bfloat16, False, False),
     ("document-lengths", 111, 111, 16, torch.float16, True, False),
+    ("per-batch-layout", 100, 70, 16, torch.float16, True, True),
     ("document-lengths", 90, 60, 8, torch.bfloat16, False, True),
     ("prefix-lm", 100, 100, 16, torch.bfloat16, False, False),
     ("dilated", 77, 77, 8, torch.float16, False, False),

@@ -110,6 +110,14 @@ def test_bad_construction_and_specs():
         SparseAttention(30, 4)
     with pytest.raises(ValueError, match=r"got dim=32, heads=4, kv_heads=3"):
         SparseAttention(32, 4, kv_heads=3)
+    with pytest.raises(ValueError, match=r"SparseAttention's heads must be an int >= 1; got 0"):
+        SparseAttention(32, 0)
+    with pytest.raises(ValueError, match=r"SparseAttention's heads must be an int >= 1; got -2"):
+        SparseAttention(32, -2)
+    with pytest.raises(ValueError, match=r"SparseAttention's kv_heads must be an int >= 1; got 0"):
+        SparseAttention(32, 4, kv_heads=0)
+    with pytest.raises(ValueError, match=r"unknown backend 'foo'; expected one of: auto, "):
+        SparseAttention(32, 4, backend="foo")
     # a bad mask spec fails where the module is built, not at its first forward
     with pytest.raises(ValueError, match=r"a mask spec needs 'pattern' and may set .*; got keys \['pattern', 'size'\]"):
         SparseAttention(DIM, HEADS, mask={"pattern": "local", "size": 2})
@@ -127,6 +135,8 @@ def test_bad_construction_and_specs():
     module = SparseAttention(DIM, HEADS)
     with pytest.raises(ValueError, match=r"SparseAttention\(dim=32\) takes x of shape \(B, S, 32\); got \(1, 20, 16\)"):
         module(torch.randn(1, 20, 16))
+    with pytest.raises(ValueError, match=r"takes x of shape \(B, S, 32\); got list"):
+        module([[0.0] * DIM])
 
 
 def _manual_left_out(module: SparseAttention, x: torch.Tensor, causal: bool, key_mask: torch.Tensor,

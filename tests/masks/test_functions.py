@@ -65,6 +65,8 @@ ERRORS = {
     "mask-arity": (lambda q, kv: q >= kv, "mask_mod", r"a mask_mod takes \(b, h, q_idx, kv_idx\); .* takes \(q, kv\)"),
     "score-arity": (lambda s, q, kv: s, "score_mod", r"a score_mod takes \(score, b, h, q_idx, kv_idx\)"),
     "keyword-call": (lambda s, b, h, q, kv: torch.where(s > 0, s, other=0.0), "score_mod", r"keyword arguments"),
+    "float8-capture": (lambda s, b, h, q, kv: s + torch.ones(4, dtype=torch.float8_e4m3fn)[h], "score_mod",
+                       r"captures a tensor of dtype torch.float8_e4m3fn; captured tensors may be float32, "),
 }
 
 
@@ -73,6 +75,12 @@ def test_unsupported_constructs_are_named(case):
     fn, what, message = ERRORS[case]
     with pytest.raises(ValueError, match=message):
         trace(fn, what)
+
+
+@pytest.mark.parametrize("what", ["mask_mod", "score_mod"])
+def test_a_function_that_is_not_callable_is_named(what):
+    with pytest.raises(TypeError, match=rf"a {what} must be a function of \(.*\); got int"):
+        trace(3, what)
 
 
 def test_errors_come_when_the_mask_or_call_is_built():
@@ -147,7 +155,7 @@ def test_full_tiles_need_no_predicate():
 
 
 def test_mask_mod_rejects_bad_sizes():
-    with pytest.raises(ValueError, match=r"heads must be None or >= 1; got 0"):
+    with pytest.raises(ValueError, match=r"heads must be None or an int >= 1; got 0"):
         masks.from_mask_mod(lambda b, h, q, kv: q >= kv, 64, heads=0)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from sparseflash.masks import BlockMask, MaskKind, from_block_fn, from_layout, get, make, patterns, register, registered
 
-BUILT_IN = ["bigbird", "butterfly", "causal", "dense", "local", "longformer", "random", "strided"]
+BUILT_IN = ["bigbird", "butterfly", "causal", "dense", "fixed", "local", "longformer", "random", "strided"]
 
 
 @pytest.fixture
@@ -84,10 +84,20 @@ def test_local_causal(window):
     assert torch.equal(mask.to_dense()[0], expected)
 
 
-@pytest.mark.parametrize("stride,summary", [(1, 1), (3, 1), (4, 2), (4, 4)])
-def test_strided(stride, summary):
+@pytest.mark.parametrize("stride", [1, 3, 4])
+def test_strided(stride):
     n = 13
-    layout = _layout("strided", n, stride=stride, summary=summary)
+    layout = _layout("strided", n, stride=stride)
+    expected = _naive(n, n, lambda i, j: abs(i - j) < stride or (i - j) % stride == 0)
+    assert torch.equal(layout, expected)
+    causal = make("strided", 16 * n, block=16, causal=True, stride=stride).layout[0]
+    assert torch.equal(causal, expected & torch.ones(n, n, dtype=torch.bool).tril())  # the paper's causal form
+
+
+@pytest.mark.parametrize("stride,summary", [(1, 1), (3, 1), (4, 2), (4, 4)])
+def test_fixed(stride, summary):
+    n = 13
+    layout = _layout("fixed", n, stride=stride, summary=summary)
     expected = _naive(n, n, lambda i, j: i // stride == j // stride or j % stride >= stride - summary)
     assert torch.equal(layout, expected)
     # every query reads every summary column

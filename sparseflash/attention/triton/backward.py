@@ -260,8 +260,8 @@ def _dkdv_program(
     start_n = key_tile * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    # the first part with one mask for K, V, dK and dV, not the part helpers: their masks of their own
-    # moved this program's register allocation, where power-of-two head dims keep their SASS this way
+    # the first part with one mask for K, V, dK and dV, not the part helpers: a mask of each load's own
+    # changes this program's register allocation at power-of-two head dims
     kv_in = (offs_n[:, None] < kv_len) & (offs_d[None, :] < head_dim)
     k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=kv_in, other=0.0)

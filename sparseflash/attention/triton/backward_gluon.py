@@ -250,9 +250,10 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_de
                     MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
                     SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """One program per (batch, key/value head, 128-key tile) (``_program_tile``). q/k/v/do_desc read Q, K, V,
-    dO as ``row_view`` matrices in (64, HEAD_DIM) boxes; dq_desc the fp32 dQ accumulator (B * H * q_len,
-    HEAD_DIM) in (64, HEAD_DIM / 2) boxes; lse_desc and delta_desc lse2 and delta (B * H * stats_stride,
-    from the preprocess) in boxes of 64."""
+    dO as ``row_view`` matrices, K and V in (64, HEAD_DIM) boxes, Q and dO in (BLOCK_M, HEAD_DIM) ones
+    (``BLOCK_M``: 64 rows at head dim 128, 128 at 64); dq_desc the fp32 dQ accumulator (B * H * q_len,
+    HEAD_DIM) in (64, HEAD_DIM / 2) boxes at head dim 128, (64, HEAD_DIM) at 64; lse_desc and delta_desc
+    lse2 and delta (B * H * stats_stride, from the preprocess) in boxes of BLOCK_M."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = 2 * k_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -342,7 +343,7 @@ def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], hea
 def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, stats_stride: int, ahead: bool = False) -> bool:
     """Compute dq, dk, dv (contiguous) on a problem ``applies`` admits, from ``lse2`` and ``delta`` of the
     preprocess (``ahead``: only compile, with ``Standin``s for do and all past it: a contiguous do, as the
-    usual loss gives); do is read from a contiguous copy where TMA cannot read its layout. False (nothing
+    usual loss gives); do is read from a fresh contiguous copy where TMA cannot read its layout. False (nothing
     launched) where TMA cannot read one of q, k, v's layouts, or where torch is asked for deterministic
     algorithms (``torch.use_deterministic_algorithms``): dQ's TMA adds land in any order, so its last bits
     vary from run to run, and the Triton backward's do not."""
@@ -351,8 +352,8 @@ def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, stats_stride: int, ahead:
     rows = gluon_tools.layout_rows(plan.per_layout.setdefault("gluon_backward", {}), (q, k, v, do))
     if None in rows[:3]:
         return False
-    if rows[3] is None:  # strides TMA cannot read (rows not 16-byte aligned): read a contiguous copy
-        do = do.contiguous()
+    if rows[3] is None:  # a layout TMA cannot read: read a copy (a fresh one: a misaligned do may be contiguous)
+        do = do.clone(memory_format=torch.contiguous_format)
         rows = [*rows[:3], row_view_rows(do)]
     block_m = BLOCK_M[q.shape[3]]
     q_desc = row_view(q, rows[0], block_m)

@@ -53,10 +53,10 @@ from types import ModuleType
 
 import torch
 
-from sparseflash.masks.functions import Graph, Node, of_batch_and_head
+from sparseflash.attention.triton.launch import cache_root
+from sparseflash.masks.functions import MAX_CAPTURE_DIMS, Graph, Node, of_batch_and_head
 
-MAX_DIMS = 4
-MODS_FIELDS = 2 * (1 + MAX_DIMS)  # per captured tensor: address and strides, its gradient buffer's too
+MODS_FIELDS = 2 * (1 + MAX_CAPTURE_DIMS)  # per captured tensor: address and strides, its gradient buffer's too
 TRITON_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
                  torch.float64: "tl.float64", torch.int64: "tl.int64", torch.int32: "tl.int32",
                  torch.int16: "tl.int16", torch.int8: "tl.int8", torch.uint8: "tl.uint8", torch.bool: "tl.int8"}
@@ -344,9 +344,9 @@ def _grads_source(graph: Graph) -> str:
             continue
         slot, index = node.args[0], node.args[1:]
         d_out = e.derivative(node)
-        offset = " + ".join(f"({e.ref(i)}) * tl.load(MODS + {slot * MODS_FIELDS + MAX_DIMS + 2 + k})"
+        offset = " + ".join(f"({e.ref(i)}) * tl.load(MODS + {slot * MODS_FIELDS + MAX_CAPTURE_DIMS + 2 + k})"
                             for k, i in enumerate(index))
-        grad = f"_capture(MODS, {slot}, {MAX_DIMS + 1}, tl.float32) + {offset or '0'}"
+        grad = f"_capture(MODS, {slot}, {MAX_CAPTURE_DIMS + 1}, tl.float32) + {offset or '0'}"
         if all(i.deps <= {"b", "h"} for i in index if isinstance(i, Node)):  # one address for the tile
             e.lines.append(f"    tl.atomic_add({grad}, tl.sum(tl.sum(ds * ({d_out}) + zero, 1), 0))")
         else:
@@ -355,8 +355,7 @@ def _grads_source(graph: Graph) -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("SPARSEFLASH_CACHE_DIR", os.path.join(Path.home(), ".cache", "sparseflash"))
-    return Path(root) / "codegen"
+    return cache_root() / "codegen"
 
 
 def _load_module(source: str) -> ModuleType:
@@ -374,10 +373,11 @@ def _load_module(source: str) -> ModuleType:
                 tmp.write_text(source)
                 tmp.replace(path)
             break
-        except OSError:
-            path = None
+        except OSError as err:
+            path, error = None, err
     if path is None:
-        raise RuntimeError(f"cannot write the generated kernel helpers to {_cache_dir()} or the temporary directory")
+        raise RuntimeError(f"cannot write the generated kernel helpers to {_cache_dir()} or the temporary "
+                           f"directory: {error}") from error
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -433,5 +433,5 @@ def mods_table(captures: list[torch.Tensor], grads: list[torch.Tensor | None], d
     for tensor, grad in zip(captures, grads):
         for t in (tensor, grad):
             strides = [] if t is None else list(t.stride())
-            rows += [0 if t is None else t.data_ptr(), *strides, *[0] * (MAX_DIMS - len(strides))]
+            rows += [0 if t is None else t.data_ptr(), *strides, *[0] * (MAX_CAPTURE_DIMS - len(strides))]
     return torch.tensor(rows or [0], dtype=torch.int64).to(device, non_blocking=True)

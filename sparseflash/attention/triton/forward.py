@@ -9,7 +9,7 @@ Constexpr flags (one kernel body, specialised by the compiler):
   BLOCK_M/BLOCK_N kernel tile (queries/keys); each divides SPARSE_BLOCK_M/SPARSE_BLOCK_N.
   HEAD_DIM        head dim padded to a power of two >= 16, or the first of two parts (HEAD_DIM2: the
                   second's width, tiles.py); D_PADDED: the real head dim is smaller.
-  DOT_PRECISION   tl.dot input precision ("tf32" for fp32 inputs, "ieee" in the interpreter).
+  DOT_PRECISION   tl.dot input precision: "tf32" for fp32 inputs on a GPU, else "ieee".
   WIDEN_DOTS      interpreter only: widen dot operands to fp32 (its bf16 dot is wrong).
   EVEN_LENGTHS    DENSE and CAUSAL only: both tiles divide q_len and kv_len, so no tile holds a
                   row or key past them and the loads need no bounds. The lengths themselves are
@@ -109,7 +109,7 @@ def _launch(plan: LaunchPlan, cfg: KernelConfig, q, k, v, o, lse, key_lengths, m
     """Launch the forward with ``cfg`` (``dropout``: ``plan.dropout_args``; ``ahead``: only compile what that
     launch needs; o and lse may be ``Standin``s). Configs with ``persistent`` go to forward_persistent.py
     where the tensors' layouts allow, else to this kernel with the same tiles; returns the config that ran
-    where it is not cfg."""
+    (None where forward_persistent.py ran cfg)."""
     if cfg.persistent:
         if forward_persistent.launch(plan, cfg, q, k, v, o, lse, mods, ahead):
             return None

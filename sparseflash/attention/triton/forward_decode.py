@@ -12,7 +12,7 @@ for the GPU and each streaming its head's whole K and V, once per query head of 
 
 Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N,
 SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS,
-MASK_MOD, SCORE_MOD, DROPOUT), and
+MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW, DROPOUT), and
   PACK      heads per program; row r of its tile is query r % q_len of head r // q_len of the pack.
   SPLIT     the program stores its share into the partial buffers (splits > 1), else o and lse.
 The queries fit in one mask block (MAX_QUERIES is the smallest block), so every row of a program

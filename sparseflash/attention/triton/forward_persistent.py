@@ -1,9 +1,10 @@
 """The persistent, warp-specialised forward for Hopper (TMA), and when it applies.
 
 Constexpr flags: those of forward.py (MASK_KIND, IS_CAUSAL, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N,
-SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS; DROPOUT
-off), and
-  NUM_PROGRAMS  programs launched (the GPU's SM count): program p takes tiles p, p + NUM_PROGRAMS, ...
+SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS, EVEN_LENGTHS,
+MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW; DROPOUT off), and
+  NUM_PROGRAMS     programs launched (the GPU's SM count): program p takes tiles p, p + NUM_PROGRAMS, ...
+  MASK_EVERY_TILE  SPARSE with partial tiles: walk every computed tile in one loop and mask each.
 
 It takes the problems whose tiles need no bounds (``mode``): DENSE and CAUSAL masks whose lengths
 128-row tiles divide, SPARSE masks whose lengths their blocks divide; no key_lengths, no dropout
@@ -22,14 +23,13 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from sparseflash.attention.kept_tensors import made_outside_graph_pools
-from sparseflash.attention.triton.launch import Launcher, interpreting, multiprocessors
+from sparseflash.attention.triton.launch import Launcher, interpreting, kernel_switch, multiprocessors
 from sparseflash.attention.triton.tiles import (ROW_LENGTH_ARGS, finish_rows, key_steps, listed_block, mma,
                                                modded_scores, online_softmax_step, row_term, row_tile_ranges,
                                                tile_start)
@@ -164,13 +164,6 @@ def _attn_fwd_persistent(
 
 
 # ---------------------------------------------------------------------------------- when it applies
-def _choice() -> str:
-    choice = os.environ.get("SPARSEFLASH_PERSISTENT", "auto")
-    if choice not in ("auto", "0", "1"):
-        raise ValueError(f"SPARSEFLASH_PERSISTENT must be auto, 0 or 1; got {choice!r}")
-    return choice
-
-
 @functools.lru_cache(maxsize=None)
 def _supported(device: torch.device) -> bool:
     """Hopper GPUs, whose warp specialisation and TMA it was built and measured on, and the interpreter."""
@@ -184,7 +177,7 @@ def mode(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, has_key_lengths: boo
     among the other candidates (the shipped table's entry, or the tuner, chooses), "only" instead of
     them (``SPARSEFLASH_PERSISTENT=1``). The layout of each call's tensors is checked at launch
     (``launch``). Not bf16 under the interpreter, whose TMA loads corrupt bf16 (Triton 3.9)."""
-    choice = _choice()
+    choice = kernel_switch("SPARSEFLASH_PERSISTENT")
     if choice == "0":
         return ""
     if mask.kind is MaskKind.SPARSE:  # no ragged tile: partial tiles are cut by predicates only (MASK_EVERY_TILE)

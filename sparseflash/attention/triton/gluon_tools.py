@@ -5,7 +5,6 @@ row views of (B, H, S, D) tensors, and the ``SPARSEFLASH_GLUON`` switch."""
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from triton._C.libtriton import ir
@@ -16,6 +15,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import builtin
 
 from sparseflash.attention.triton.forward_persistent import row_view_rows
+from sparseflash.attention.triton.launch import kernel_switch
 from sparseflash.masks import MaskKind
 
 # Triton 3.9 renamed Triton 3.6's TMA load (and removed the old name)
@@ -79,18 +79,10 @@ def walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND: gl.constexp
 
 @gluon.jit
 def row_view_coords(b, h, row, stride_b, stride_h, stride_m):
-    """(row, column) in a ``row_view`` (rows of pitch stride_m) of element (b, h, row, 0)."""
+    """(row, column) in a ``row_view`` (rows of pitch stride_m) of element (b, h, row, 0): the Gluon twin of
+    forward_persistent.py's ``row_view_coords``, so that the Gluon kernels call only Gluon functions."""
     offset = b.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h
     return (offset // stride_m).to(gl.int32) + row, (offset % stride_m).to(gl.int32)
-
-
-def choice() -> str:
-    """``SPARSEFLASH_GLUON``: "auto" (the default: the Gluon kernels where they were measured faster), "1"
-    (wherever they apply) or "0" (never)."""
-    value = os.environ.get("SPARSEFLASH_GLUON", "auto")
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"SPARSEFLASH_GLUON must be auto, 0 or 1; got {value!r}")
-    return value
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,9 +130,9 @@ def takes(q: torch.Tensor, k: torch.Tensor, mask, tiles: tuple[int, int], has_ke
 
 def chosen(q: torch.Tensor, k: torch.Tensor, mask, tiles: tuple[int, int], row_keys: float, auto_row_keys: float,
            has_key_lengths: bool, dropout: bool, element_mods: bool) -> bool:
-    """Whether calls take a Gluon kernel of (query, key) tiles ``tiles``: with ``choice()`` "1" wherever it
+    """Whether calls take a Gluon kernel of (query, key) tiles ``tiles``: with ``SPARSEFLASH_GLUON`` "1" wherever it
     ``takes`` them, "auto" there on rows of ``row_keys`` >= ``auto_row_keys`` keys on average (where it was
     measured faster), "0" never."""
-    value = choice()
+    value = kernel_switch("SPARSEFLASH_GLUON")
     return value != "0" and takes(q, k, mask, tiles, has_key_lengths, dropout, element_mods) and (
         value == "1" or row_keys >= auto_row_keys)

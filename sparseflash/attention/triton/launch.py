@@ -19,6 +19,7 @@ import functools
 import math
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 import triton
@@ -30,6 +31,21 @@ from triton.runtime.jit import JITFunction
 def interpreting() -> bool:
     """Whether Triton runs kernels under its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernel_switch(name: str) -> str:
+    """An environment variable that turns a family of kernels on or off: "auto" (its default: where they were
+    measured faster), "1" (wherever they apply) or "0" (never)."""
+    value = os.environ.get(name, "auto")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"{name} must be auto, 0 or 1; got {value!r}")
+    return value
+
+
+def cache_root() -> Path:
+    """Where sparseflash keeps what later processes reuse (generated helpers, tuned configs):
+    ``$SPARSEFLASH_CACHE_DIR``, default ``~/.cache/sparseflash``."""
+    return Path(os.environ.get("SPARSEFLASH_CACHE_DIR", Path.home() / ".cache" / "sparseflash"))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -55,11 +71,11 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-GLUON_TRITON = (3, 6)  # the first Triton whose Gluon has the Hopper API that forward_gluon.py uses
+GLUON_TRITON = (3, 6)  # the first Triton whose Gluon has the Hopper API the Gluon kernels use
 
 
 def gluon_hopper(device: torch.device) -> bool:
-    """Whether forward_gluon.py's kernels run on ``device``: a Hopper GPU (capability 9.x) with Triton >=
+    """Whether the Gluon kernels (forward_gluon.py, backward_gluon.py) run on ``device``: a Hopper GPU (capability 9.x) with Triton >=
     3.6; never under the interpreter, which does not run Gluon."""
     return device.type == "cuda" and not interpreting() and _gluon_hopper(device)
 

@@ -3,7 +3,10 @@
 Constexpr flags the helpers take (the kernels pass their own through):
   FROM_TABLE      a walk over the mask blocks listed in a table row (SPARSE) instead of tiles 0, 1, ...
   MASK_KIND       0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``).
+  IS_CAUSAL       SPARSE: its partial blocks are cut by q_idx >= kv_idx (``forward_row``).
   HAS_KEY_LENGTHS key_lengths[b] bounds the keys of batch b.
+  EVEN_LENGTHS    DENSE and CAUSAL: the tiles divide both lengths, so no load needs a bound (``forward_row``).
+  BOUNDED         a load of rows or keys some of which may lie past the tensor (``load_part``).
   APPLY_CAUSAL    apply q_idx >= kv_idx to the scores of a tile.
   APPLY_KV_BOUND  drop keys at or past kv_bound (ragged tail, key_lengths).
   MAY_BE_EMPTY    a row of a tile's scores may be all -inf (masked tiles).
@@ -106,8 +109,8 @@ def store_head_parts(row_ptrs, stride_d, rows_in, x, x2, offs_d, offs_d2, head_d
 
 @triton.jit
 def listed_block(idx_ptr, t, t_hi, FROM_TABLE: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
-    """The mask block that holds tile ``t`` of a walk over the blocks listed at idx_ptr (0 for t >= t_hi,
-    and without a table).
+    """The mask block that holds tile ``t`` of a walk over the blocks listed at idx_ptr: 0 without a table, and
+    for tiles from t_hi on but tile 0, which always reads the table's first entry (below).
 
     The loops read it for the next tile at the end of each tile and carry it. A read that feeds
     the tile's own addresses makes Triton's pipeliner copy it asynchronously too, and then wait

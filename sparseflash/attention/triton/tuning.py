@@ -50,7 +50,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import triton
 
-from sparseflash.attention.triton.launch import interpreting
+from sparseflash.attention.triton.launch import cache_root, cdiv, interpreting
 from sparseflash.timing import interleaved_times
 
 
@@ -89,7 +89,7 @@ class ConfigKey:
     def of(cls, q: torch.Tensor, mask, padded_dim: int, persistent: str = "", mods: str = "",
            head_dim_parts: str = "", decode_rows: int = 0) -> "ConfigKey":
         blocks_per_row = max(1.0, mask.mean_row_blocks)
-        tiles = q.shape[0] * q.shape[1] * -(-q.shape[2] // 128)
+        tiles = q.shape[0] * q.shape[1] * cdiv(q.shape[2], 128)
         return cls(padded_dim, str(q.dtype).removeprefix("torch."), mask.kind.name,
                    tuple(mask.block_size), mask.causal, round(math.log2(blocks_per_row)),
                    round(math.log2(tiles)), _device_name(q.device), persistent, mods, head_dim_parts, decode_rows)
@@ -99,7 +99,7 @@ class ConfigKey:
         """The head-dim columns the kernel computes: the parts' sum, or the padded head dim."""
         return sum(map(int, self.head_dim_parts.split("+"))) if self.head_dim_parts else self.head_dim
 
-    def __str__(self) -> str:  # the fields added last only where set: the disk cache keeps the other keys' names
+    def __str__(self) -> str:  # head_dim_parts and decode_rows only where set: the other keys keep their names
         values = [v for name, v in asdict(self).items() if name not in ("head_dim_parts", "decode_rows") or v]
         return "|".join(str(v) for v in values) + f"|triton-{triton.__version__}"
 
@@ -197,8 +197,7 @@ def candidates(kernel: str, key: ConfigKey) -> list[KernelConfig]:
 
 # ---------------------------------------------------------------------------- the disk cache
 def _cache_path() -> Path:
-    root = os.environ.get("SPARSEFLASH_CACHE_DIR", os.path.join(Path.home(), ".cache", "sparseflash"))
-    return Path(root) / "tuning.json"
+    return cache_root() / "tuning.json"
 
 
 def _load_disk_cache() -> dict[str, dict]:
@@ -295,10 +294,10 @@ DECODE_ROWS_COST = 2  # per log2 step of decode_rows: 16 and 64 rows want other 
 
 @functools.lru_cache(maxsize=1)
 def _table_file() -> dict:
-    """config_table.json as read (empty where it is missing or unreadable)."""
+    """config_table.json as read (empty where it is missing: every key then takes its first candidate)."""
     try:
         return json.loads(TABLE_PATH.read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
 
 
@@ -455,7 +454,7 @@ def planned(kernel: str, key: ConfigKey) -> Optional[KernelConfig]:
 
 def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], Optional[KernelConfig]]) -> KernelConfig:
     """Launch ``kernel`` with its config for ``key`` (the module docstring says which) and return the
-    config it ran with: ``launch(cfg)`` returns another config where it had to fall back, else None."""
+    config it ran with: ``launch(cfg)`` returns the config that ran, or None where that is cfg."""
     cfg = planned(kernel, key)
     if cfg is None:
         cfg = _tune(launch, candidates(kernel, key))
