@@ -7,8 +7,10 @@
   are kept and the test set is scored with them (not with the last weights).
 - Checkpoints (``<run_dir>/checkpoints/last.pt``, see ``sparseflash.train_state``) hold
   everything a run needs to continue exactly where it stopped; they are written every
-  ``trainer.checkpoint_every`` steps, at the end, at ``trainer.stop_after``, on SIGTERM (every rank
-  hears it and all stop at the next logged step) and on Ctrl-C (one process only).
+  ``trainer.checkpoint_every`` steps, at the end (with ``checkpoint_every`` or ``resume`` set), at
+  ``trainer.stop_after``, and on SIGTERM, SIGUSR2 (submitit's warning before a SLURM time limit) and
+  a first Ctrl-C: every rank hears them and all stop at the next logged step (a second Ctrl-C stops
+  at once, without one). Resuming a run that finished returns its results.
   ``resume=true`` continues the run in ``run_dir`` (an error if it has no checkpoint),
   ``resume=<path>`` the named checkpoint, ``resume=auto`` the run's own checkpoint when there is
   one and starts from scratch otherwise.
@@ -285,21 +287,50 @@ def _peak_mem_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
+# SLURM's pre-emption and time limit and torchrun stopping its workers (SIGTERM), the warning submitit asks
+# SLURM for before the time limit (SIGUSR2; its own handler then requeues the job), Ctrl-C (SIGINT)
+STOP_SIGNALS = ("SIGTERM", "SIGUSR2", "SIGINT")
+
+
 @contextlib.contextmanager
-def _sigterm_flag() -> Iterator[dict]:
-    """While the block runs, SIGTERM (SLURM pre-emption, a time limit, torchrun stopping its workers)
-    sets ``flag["set"]`` instead of killing the process, so that the loop can checkpoint and stop like
-    an interruption. Every rank listens (SLURM and torchrun signal them all, and a rank that did not
-    listen would die at once); the loop shares the flags, so that all stop at the same step."""
-    flag = {"set": False}
-    previous = None
-    with contextlib.suppress(ValueError):  # ValueError: not the main thread, no handler there
-        previous = signal.signal(signal.SIGTERM, lambda *_: flag.update(set=True))
+def _stop_signals() -> Iterator[dict]:
+    """While the block runs, a stop signal (``STOP_SIGNALS``) sets ``stop["signal"]`` instead of ending the
+    process, so that the loop checkpoints at a step boundary and stops; ``stop["previous"]`` holds the
+    handlers the signals had (the loop calls submitit's SIGUSR2 handler after its checkpoint). A second
+    Ctrl-C interrupts at once (KeyboardInterrupt, no checkpoint). Every rank listens (SLURM and torchrun
+    signal them all, and a rank that did not listen would die at once); the loop shares the flags, so
+    that all stop at the same step."""
+    stop: dict = {"signal": None, "previous": {}}
+
+    def handler(signum, _frame):
+        if signum == signal.SIGINT and stop["signal"] == signal.SIGINT:
+            raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            log.info("Ctrl-C: stopping at the next logged step, with a checkpoint (Ctrl-C again: at once, without)")
+        stop["signal"] = signum
+
+    for name in STOP_SIGNALS:
+        number = getattr(signal, name, None)  # no SIGUSR2 on Windows
+        if number is not None:
+            with contextlib.suppress(ValueError):  # ValueError: not the main thread, no handler there
+                stop["previous"][number] = signal.signal(number, handler)
     try:
-        yield flag
+        yield stop
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for number, previous in stop["previous"].items():
+            signal.signal(number, previous)
+
+
+def _after_stop(stop: dict) -> None:
+    """What the signal that stopped the loop asks for once its checkpoint is written: Ctrl-C ends the process
+    as an interruption (KeyboardInterrupt), submitit's SIGUSR2 handler (where the signal had one) requeues
+    the job; after SIGTERM the run returns."""
+    number = stop["signal"]
+    if number == signal.SIGINT:
+        raise KeyboardInterrupt
+    previous = stop["previous"].get(number)
+    if number != signal.SIGTERM and callable(previous):
+        previous(number, None)
 
 
 @torch.no_grad()
@@ -371,6 +402,9 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
     parts = {"module": module, "optimizer": optimizer, "scheduler": scheduler, "stream": stream}
     ckpt_path = run_dir / "checkpoints" / "last.pt"
     _resume(source, resume, run_dir, state, parts, ctx)
+    if state.step >= int(tr.max_steps) and (run_dir / "results.json").is_file():  # resumed after its end
+        log.info(f"the run in {run_dir} already finished at step {state.step}: nothing to do")
+        return {**json.loads((run_dir / "results.json").read_text()), "run_dir": str(run_dir)}
     logger = _open_logger(cfg, run_dir, state, ctx)
     attention = _attention_summary(cfg, task)
     _introduce(task, module, attention, state, logger, ctx, run_dir)
@@ -385,10 +419,10 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
     validate = functools.partial(_validate, functools.partial(score, max_batches=tr.get("eval_batches")), module,
                                  task.val, state, logger, console)
     save = functools.partial(state.save, ckpt_path, **parts, ctx=ctx, config=OmegaConf.to_container(cfg, resolve=True))
-    window, timed_out = _Window(), False
+    window, timed_out, stopped = _Window(), False, False
     loader = BatchLoader(task.train, device)
     model.train()
-    with _sigterm_flag() as sigterm:
+    with _stop_signals() as stop:
         try:
             while state.step < max_steps:
                 t0 = time.perf_counter()
@@ -408,7 +442,7 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
                 if state.step < max_steps:
                     loader.prefetch(stream.peek())  # while the device runs this step
                 acc = (logits.argmax(-1) == batch["y"]).float().mean().item()
-                term = 1.0 if sigterm["set"] else 0.0
+                term = 1.0 if stop["signal"] is not None else 0.0
                 late = 1.0 if max_time and state.seconds() > float(max_time) else 0.0
                 # summed over the ranks with the metrics, so that every rank takes the same decisions
                 loss_sum, acc_sum, tokens, terms, lates = ctx.sum([loss.item(), acc, float(count_tokens(batch)),
@@ -433,26 +467,27 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
                                  f"testing the best-validation weights")
                     timed_out = True
                     break
-                stop_now = stop_after is not None and state.step >= int(stop_after)
-                # on SIGTERM every rank stops at the next logged step, so that no window of averaged metrics
-                # is cut and a resumed run logs what an uninterrupted one does
+                stop_now = stop_after is not None and state.step >= int(stop_after) and logged
+                # on a stop signal every rank stops at the next logged step, so that no window of averaged
+                # metrics is cut and a resumed run logs what an uninterrupted one does
                 signalled = logged and terms > 0
                 if (ckpt_every and state.step % ckpt_every == 0) or stop_now or signalled:
                     save()
                 if stop_now or signalled:
                     console.line(f"stopped at step {state.step}; checkpoint in {ckpt_path} "
                                  f"(continue with resume=true hydra.run.dir={run_dir})")
-                    console.close()
-                    logger.close()
-                    return {"stopped_at": state.step, "run_dir": str(run_dir)}
-        except KeyboardInterrupt:
+                    stopped = True
+                    break
+        except KeyboardInterrupt:  # a second Ctrl-C: mid-step, so no checkpoint (it would not resume exactly)
             console.close()
-            if not ctx.enabled:  # with several processes the others may be gone: no collective checkpoint
-                save()
-                log.info(f"interrupted at step {state.step}; checkpoint in {ckpt_path}")
+            log.info(f"interrupted during step {state.step + 1}; the last checkpoint, if any, is in {ckpt_path}")
             logger.close()
             raise
     console.close()
+    if stopped:
+        logger.close()
+        _after_stop(stop)
+        return {"stopped_at": state.step, "run_dir": str(run_dir)}
     if timed_out and eval_every > 0 and state.step % eval_every:
         validate()  # the steps since the last validation may hold the best weights
     if ckpt_every or resume:

@@ -1,6 +1,8 @@
 """The training loop end to end on tiny data: every task, resume, W&B offline, metrics (DDP: test_ddp.py)."""
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -10,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from sparseflash.logging import read_jsonl
+from sparseflash import train as train_module
 from sparseflash.train import lr_factor, run
 from tests.data.fixtures import write_aan, write_cifar, write_imdb, write_listops, write_pathfinder_release
 
@@ -283,6 +286,73 @@ def test_resume_true_without_a_checkpoint_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at .*nowhere"):
         run(make_cfg(tmp_path, "trainer.max_steps=2", f"resume={tmp_path / 'nowhere'}"), run_dir=tmp_path / "run")
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()  # it failed before the data
+
+
+def _signal_at_step(monkeypatch, step: int, *signals: int) -> None:
+    """Send ``signals`` to this process while the training loop loads the batch of ``step`` (1-based)."""
+    original, calls = train_module.BatchLoader.load, []
+
+    def load(self, indices):
+        calls.append(None)
+        if len(calls) == step:
+            for number in signals:
+                os.kill(os.getpid(), number)
+        return original(self, indices)
+
+    monkeypatch.setattr(train_module.BatchLoader, "load", load)
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR2", "SIGINT"])
+def test_a_stop_signal_checkpoints_at_a_step_boundary_and_resume_is_exact(tmp_path, monkeypatch, name):
+    """SIGTERM (pre-emption), SIGUSR2 (submitit's warning before a time limit: its own handler, called after
+    the checkpoint, requeues the job) and a first Ctrl-C stop the run at the next logged step with a
+    checkpoint; resumed, the run ends as one never stopped, its metrics logged once each."""
+    number = getattr(signal, name)
+    common = ["trainer.max_steps=8", "trainer.eval_every=3", "model.dropout=0.2", "trainer.log_every=2"]
+    straight = run(make_cfg(tmp_path, *common), run_dir=tmp_path / "a")
+    ckpt = tmp_path / "b" / "checkpoints" / "last.pt"
+    requeued = []
+    previous = signal.signal(number, lambda *_: requeued.append(ckpt.is_file())) if name == "SIGUSR2" else None
+    _signal_at_step(monkeypatch, 3, number)
+    try:
+        if name == "SIGINT":
+            with pytest.raises(KeyboardInterrupt):
+                run(make_cfg(tmp_path, *common), run_dir=tmp_path / "b")
+        else:
+            assert run(make_cfg(tmp_path, *common), run_dir=tmp_path / "b")["stopped_at"] == 4
+    finally:
+        if previous is not None:
+            signal.signal(number, previous)
+    assert torch.load(ckpt, weights_only=False)["step"] == 4  # the logged step after the signal's
+    assert requeued == ([True] if name == "SIGUSR2" else [])
+    monkeypatch.undo()
+    resumed = run(make_cfg(tmp_path, *common, "resume=true"), run_dir=tmp_path / "b")
+    for key in ("test_acc", "test_loss", "best_val_acc", "steps"):
+        assert resumed[key] == straight[key], key
+    volatile = {"time", "elapsed", "step_time", "tokens_per_s", "peak_mem_mb", "total_time"}
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in volatile} for r in rs]  # noqa: E731
+    assert strip(read_jsonl(tmp_path / "b" / "metrics.jsonl")) == strip(read_jsonl(tmp_path / "a" / "metrics.jsonl"))
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, monkeypatch):
+    _signal_at_step(monkeypatch, 3, signal.SIGINT, signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        run(make_cfg(tmp_path, "trainer.max_steps=8"), run_dir=tmp_path / "b")
+    assert not (tmp_path / "b" / "checkpoints" / "last.pt").exists()  # a mid-step one would not resume exactly
+
+
+def test_resuming_a_finished_run_returns_its_results(tmp_path):
+    common = ["trainer.max_steps=4", "trainer.eval_every=2", "trainer.checkpoint_every=2"]
+    first = run(make_cfg(tmp_path, *common), run_dir=tmp_path / "a")
+    records = read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    again = run(make_cfg(tmp_path, *common, "resume=true"), run_dir=tmp_path / "a")
+    assert again == first and read_jsonl(tmp_path / "a" / "metrics.jsonl") == records
+
+
+def test_stop_after_stops_at_a_logged_step(tmp_path):
+    stopped = run(make_cfg(tmp_path, "trainer.max_steps=12", "trainer.log_every=4", "trainer.stop_after=6"),
+                  run_dir=tmp_path / "b")
+    assert stopped["stopped_at"] == 8
 
 
 def test_resume_auto_starts_fresh_then_continues(tmp_path):
