@@ -1,4 +1,4 @@
-"""Metric sinks for training and benchmarks: console, JSONL (always) and W&B (optional).
+"""Metric sinks for training and benchmarks: JSONL (always) and W&B (optional).
 
 ``RunLogger`` fans one ``log(metrics, step)`` out to every sink. ``metrics.jsonl`` is always
 written in the run directory so results can be read without W&B; wandb is imported only when a
@@ -21,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
-
-log = logging.getLogger(__name__)
 
 
 def _jsonable(value: Any) -> Any:
@@ -79,17 +77,6 @@ def drop_records_after(path: str | os.PathLike, step: int) -> int:
     return len(lines) - len(keep)
 
 
-class ConsoleSink:
-    """Logs ``step k | name value ...`` lines (floats with 4 significant digits) at INFO."""
-
-    def log(self, metrics: Mapping[str, Any], step: int | None) -> None:
-        parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()]
-        log.info((f"step {step} | " if step is not None else "") + " | ".join(parts))
-
-    def close(self) -> None:
-        pass
-
-
 class WandbSink:
     """Logs to Weights & Biases; ``mode`` is ``offline`` (default), ``online`` or ``disabled``."""
 
@@ -117,20 +104,17 @@ class WandbSink:
 
 class RunLogger:
     """Every sink of one run. ``metrics.jsonl`` goes into ``run_dir``; ``wandb`` adds a W&B sink
-    (a mapping of ``WandbSink`` arguments), ``console`` prints. Only rank 0 should build one with
-    sinks; other ranks pass ``enabled=False`` and log nowhere."""
+    (a mapping of ``WandbSink`` arguments). Only rank 0 should build one with sinks; other ranks pass
+    ``enabled=False`` and log nowhere."""
 
-    def __init__(self, run_dir: str | os.PathLike, *, console: bool = True,
-                 wandb: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
-                 enabled: bool = True, jsonl_name: str = "metrics.jsonl"):
+    def __init__(self, run_dir: str | os.PathLike, *, wandb: Mapping[str, Any] | None = None,
+                 config: Mapping[str, Any] | None = None, enabled: bool = True):
         self.run_dir = Path(run_dir)
         self.sinks: list[Any] = []
         self.wandb: WandbSink | None = None
         if not enabled:
             return
-        self.sinks.append(JsonlSink(self.run_dir / jsonl_name))
-        if console:
-            self.sinks.append(ConsoleSink())
+        self.sinks.append(JsonlSink(self.run_dir / "metrics.jsonl"))
         if wandb is not None:
             self.wandb = WandbSink(self.run_dir, config=config, **dict(wandb))
             self.sinks.append(self.wandb)

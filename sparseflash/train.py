@@ -120,11 +120,11 @@ def _run_dir(cfg: DictConfig, run_dir: str | os.PathLike | None) -> Path:
         return Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
-def _load_task(task_cfg: DictConfig, seed: int, ctx: Dist) -> TaskData:
+def _load_task(task_cfg: DictConfig, ctx: Dist) -> TaskData:
     """The task's datasets: rank 0 first (it may generate and cache them), the others once they are on disk."""
-    task = build_task(task_cfg, seed=seed) if ctx.main else None
+    task = build_task(task_cfg) if ctx.main else None
     ctx.barrier()
-    return task if ctx.main else build_task(task_cfg, seed=seed)
+    return task if ctx.main else build_task(task_cfg)
 
 
 def _compile_backend(setting) -> str | None:
@@ -181,7 +181,7 @@ def _open_logger(cfg: DictConfig, run_dir: Path, state: TrainState, ctx: Dist) -
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if state.step > 0:
             drop_records_after(run_dir / "metrics.jsonl", state.step)
-    logger = RunLogger(run_dir, console=False, wandb=wandb_kwargs, config=OmegaConf.to_container(cfg, resolve=True),
+    logger = RunLogger(run_dir, wandb=wandb_kwargs, config=OmegaConf.to_container(cfg, resolve=True),
                        enabled=ctx.main)
     if logger.wandb is not None:
         state.wandb_id = logger.wandb.run.id
@@ -386,6 +386,9 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
     state = TrainState()  # its clock starts now: a run's time counts its set-up
     tr, device = cfg.trainer, ctx.device
     compile_backend = _compile_backend(tr.get("compile"))  # a bad value fails before the data is loaded
+    precision = str(tr.get("precision", "bf16"))
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"trainer.precision must be bf16 (autocast on CUDA) or fp32; got {precision!r}")
     import_patterns(cfg.get("import_patterns") or [])
     run_dir = Path(ctx.broadcast(str(_run_dir(cfg, run_dir))))
     resume = cfg.get("resume", False)
@@ -394,7 +397,7 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
         torch.set_num_threads(int(tr.num_threads))
     seed = int(cfg.seed)
     seed_everything(seed + ctx.rank)
-    task = _load_task(cfg.task, seed, ctx)
+    task = _load_task(cfg.task, ctx)
     augment = grid_augment(cfg.task.get("augment"), task.image_size, task.name, seed + ctx.rank, device)
     model, module = _build_model(cfg, task, ctx, compile_backend)
     optimizer, scheduler = _optimizer(module, tr)
@@ -411,7 +414,7 @@ def _run(cfg: DictConfig, ctx: Dist, run_dir) -> dict:
     max_steps, eval_every, ckpt_every = int(tr.max_steps), int(tr.eval_every), int(tr.get("checkpoint_every") or 0)
     log_every, print_every = max(1, int(tr.get("log_every", 1))), max(1, int(tr.get("print_every", 10)))
     stop_after, max_time, clip = tr.get("stop_after"), tr.get("max_time"), float(tr.get("grad_clip") or 0.0)
-    use_bf16 = device.type == "cuda" and str(tr.get("precision", "bf16")) == "bf16"
+    use_bf16 = device.type == "cuda" and precision == "bf16"
     autocast = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16, enabled=use_bf16)
     score = functools.partial(evaluate, batch_size=int(tr.get("eval_batch_size") or tr.batch_size), device=device,
                               autocast=autocast, ctx=ctx)

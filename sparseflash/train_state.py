@@ -56,7 +56,7 @@ class TrainState:
         once the file is written."""
         rngs = ctx.gather(_rng_state())
         if ctx.main:
-            # Key names are those of the first checkpoints (best_state: the best weights), which load as they are.
+            # best_state: the best weights (the key every checkpoint written so far uses, so all of them load)
             _save_atomic({"step": self.step, "model": module.state_dict(), "optimizer": optimizer.state_dict(),
                           "scheduler": scheduler.state_dict(), "stream": stream.state(), "rng": rngs,
                           "best_val": self.best_val, "best_step": self.best_step, "best_state": self.best_weights,

@@ -379,6 +379,11 @@ def test_bad_config_is_explained():
         BenchConfig.from_cfg({"backends": ["fast"]})
     with pytest.raises(ValueError, match="unknown mode"):
         BenchConfig.from_cfg({"modes": ["backward"]})
+    with pytest.raises(ValueError, match=r"device must be auto, cpu, cuda or cuda:N; got 'gpu'"):
+        BenchConfig.from_cfg({"device": "gpu"}).torch_device()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device=cuda but no CUDA device is available"):
+            BenchConfig.from_cfg({"device": "cuda"}).torch_device()
 
 
 def test_dropout_cases_are_timed_unchecked_and_flex_skips_them(tmp_path):

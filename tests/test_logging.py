@@ -3,7 +3,7 @@
 import json
 import logging
 
-from sparseflash.logging import ConsoleSink, JsonlSink, console_fallback, drop_records_after
+from sparseflash.logging import JsonlSink, console_fallback, drop_records_after
 
 
 def test_drop_records_after_keeps_steps_up_to_the_checkpoint(tmp_path):
@@ -26,7 +26,7 @@ def test_console_lines_print_when_logging_is_not_configured(capsys, monkeypatch)
     logger = logging.getLogger("sparseflash.test_console")
     monkeypatch.setattr(logging.root, "handlers", [])  # as in a plain script (pytest adds its own)
     with console_fallback():
-        ConsoleSink.log(ConsoleSink(), {"loss": 0.123456, "n": 3}, step=7)
+        logger.info("step 7 | loss 0.1235")
         logger.info("a line")
     logger.info("after the block: not shown")
-    assert capsys.readouterr().out == "step 7 | loss 0.1235 | n 3\na line\n"
+    assert capsys.readouterr().out == "step 7 | loss 0.1235\na line\n"

@@ -129,6 +129,12 @@ def test_bad_compile_setting_is_refused_before_the_data(tmp_path, bad):
     assert not (tmp_path / "data").exists()
 
 
+def test_bad_precision_is_refused_before_the_data(tmp_path):
+    with pytest.raises(ValueError, match=r"trainer.precision must be bf16 \(autocast on CUDA\) or fp32; got 'fp16'"):
+        run(make_cfg(tmp_path, "trainer.precision=fp16"), run_dir=tmp_path / "run")
+    assert not (tmp_path / "data").exists()
+
+
 def test_resume_is_exact(tmp_path):
     common = ["trainer.max_steps=8", "trainer.eval_every=3", "trainer.checkpoint_every=5", "model.dropout=0.2",
               "model.attention_dropout=0.2", "trainer.schedule=linear", "trainer.warmup_steps=3"]

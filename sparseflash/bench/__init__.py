@@ -3,7 +3,7 @@
 One job per module:
 - ``spec``: the config read into ``BenchConfig``; patterns with params; the FLOP count;
 - ``backends``: the harness backends by name (``sparseflash``, ``sparseflash-blocked``,
-  ``sparseflash-triton``, ``reference``, ``sdpa``, ``sdpa-flash``, ``sdpa-cudnn``, ``flex``);
+  ``sparseflash-triton``, ``reference``, ``sdpa``, ``sdpa-flash``, ``sdpa-cudnn``, ``flex``, ``flex-flash``);
 - ``measure``: the timed step of each mode, timers, peak memory, the correctness gate;
 - ``sweep``: the loop over cases, one row per measurement, derived speed-ups;
 - ``report``: environment, ``results.csv``/``results.jsonl``, the markdown table;

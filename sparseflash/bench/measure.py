@@ -25,7 +25,7 @@ from sparseflash.timing import interleaved_times
 Step = Callable[[], object]
 
 
-def make_step(fwd: Callable[[], torch.Tensor], mode: str, q, k, v, do) -> Step:
+def make_step(fwd: Callable[[], torch.Tensor], mode: str, do) -> Step:
     """The work one timed call does: ``fwd`` (no autograd), ``bwd`` (backward of one retained
     forward) or ``fwdbwd`` (both)."""
     if mode == "fwd":

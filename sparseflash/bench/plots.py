@@ -2,7 +2,7 @@
 per pattern x backend) and speed-up over dense against density (with the ideal ``1/density``).
 
 One figure per (mode, head_dim, dtype), or with ``combined`` one figure of each kind holding every
-group as a panel (fewer files, for machines that return few). Groups without a timed row get no
+group as a panel (fewer files to browse). Groups without a timed row get no
 figure or panel: an empty plot would only hide that nothing was measured."""
 
 from __future__ import annotations
@@ -80,15 +80,25 @@ def _legend_for_patterns(ax, colors):
     return ax.legend(handles=handles, fontsize=7, title="pattern (colour)", loc="lower left")
 
 
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files, no display), or ImportError saying how to install it."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError("the benchmark's plots need matplotlib: pip install 'sparseflash[plot]' "
+                          "(or plots.enabled=false)") from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_plots(rows: list[dict], out_dir: str | Path, combined: bool = False) -> list[Path]:
     """Write the PNGs into ``out_dir`` (none, and no folder, when no row was timed); returns their paths."""
     groups = list(dict.fromkeys(group_key(r) for r in rows if r["status"] == "ok"))
     if not groups:
         return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -106,7 +116,7 @@ def write_plots(rows: list[dict], out_dir: str | Path, combined: bool = False) -
                 ax.set_title(_title(group))
             for ax in list(axes.flat)[n:]:
                 ax.axis("off")
-            _finish(fig, axes.flat[0], kind, colors)
+            _finish(axes.flat[0], kind, colors)
             path = out_dir / f"bench_{kind}.png"
             fig.savefig(path, dpi=110, bbox_inches="tight")
             plt.close(fig)
@@ -118,7 +128,7 @@ def write_plots(rows: list[dict], out_dir: str | Path, combined: bool = False) -
             fig, ax = plt.subplots(figsize=(7.5, 5.5))
             panel(ax, [r for r in rows if group_key(r) == group], colors, marks)
             ax.set_title(_title(group))
-            _finish(fig, ax, kind, colors)
+            _finish(ax, kind, colors)
             path = out_dir / f"{kind}_{mode}_hd{head_dim}_{dtype}.png"
             fig.savefig(path, dpi=110, bbox_inches="tight")
             plt.close(fig)
@@ -126,7 +136,7 @@ def write_plots(rows: list[dict], out_dir: str | Path, combined: bool = False) -
     return written
 
 
-def _finish(fig, ax, kind, colors):
+def _finish(ax, kind, colors):
     if not ax.get_legend_handles_labels()[0]:
         return
     if kind == "time":

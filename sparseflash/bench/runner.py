@@ -128,9 +128,11 @@ def run(cfg: Any) -> list[dict]:
 def _run(cfg: Any) -> list[dict]:
     masks.import_patterns(cfg.get("import_patterns") or [])
     spec = BenchConfig.from_cfg(cfg)
+    env = report.environment(spec.torch_device())  # a device this machine lacks fails here
+    if spec.plots.enabled:
+        plots_mod.pyplot()  # and so does a missing matplotlib, not after the sweep
     out_dir = _output_dir(spec)
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = report.environment(spec.torch_device())
     log.info(f"bench: {count(spec)} rows on {env['gpu']} (torch {env['torch']}, triton {env['triton']}) -> {out_dir}")
     stream = open(out_dir / "results.jsonl", "w", encoding="utf-8")
     progress = _Progress(count(spec), spec.progress)

@@ -316,9 +316,20 @@ class BenchConfig:
         return shapes
 
     def torch_device(self) -> torch.device:
+        """``device``: auto (a GPU where there is one), cpu, cuda or cuda:N; ValueError where this machine has
+        no such device."""
         if self.device in (None, "auto"):
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device} but no CUDA device is available (this preset times GPU "
+                             f"kernels; device=cpu runs the CPU backends)")
+        return device
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)

@@ -113,7 +113,7 @@ def prepare_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: Bloc
             else:
                 row["reason"] = "unchecked: no trusted backend fits this case"
         del o, dgrads
-        return measure.make_step(fwd, mode, q, k, v, do)
+        return measure.make_step(fwd, mode, do)
     except UNSUPPORTED as err:
         row.update(status="skipped", reason=str(err))
     except Exception as err:  # noqa: BLE001 - record and go on

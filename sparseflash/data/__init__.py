@@ -13,12 +13,12 @@ from sparseflash.data.common import (MissingDataError, SequenceDataset, TaskData
 TASKS = ("listops", "pathfinder", "image", "text", "retrieval")
 
 
-def build_task(cfg, seed: int = 0) -> TaskData:
+def build_task(cfg) -> TaskData:
     """The datasets of the task described by a ``task`` config."""
     name = str(cfg.name)
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
-    return importlib.import_module(f"sparseflash.data.{name}").build(cfg, seed=seed)
+    return importlib.import_module(f"sparseflash.data.{name}").build(cfg)
 
 
 __all__ = ["TASKS", "MissingDataError", "SequenceDataset", "TaskData", "build_task", "collate", "pad_batch",

@@ -54,7 +54,10 @@ def load_cifar10(data_dir, val_size: int = 5000, split_seed: int = 0):
 
 def load_digits_32(split_seed: int = 0):
     """scikit-learn's 1,797 8x8 digits (levels 0-16), each pixel repeated 4x4 -> 32x32, 0-255."""
-    from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
+    try:
+        from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
+    except ImportError as err:
+        raise ImportError("task=image_digits needs scikit-learn: pip install 'sparseflash[lra]'") from err
 
     digits = load_digits()
     img = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)
@@ -64,7 +67,7 @@ def load_digits_32(split_seed: int = 0):
     return full.subset(tr), full.subset(va), full.subset(te)
 
 
-def build(cfg, seed: int = 0) -> TaskData:
+def build(cfg) -> TaskData:
     """``cfg``: the ``task`` config (source: cifar10 | digits, data_dir, val_size)."""
     source = str(cfg.get("source", "cifar10"))
     if source == "digits":

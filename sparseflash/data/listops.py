@@ -197,7 +197,7 @@ def ensure_generated(data_dir: str | os.PathLike, prefix: str, params: dict, siz
     os.replace(tmp, stamp)
 
 
-def build(cfg, seed: int = 0) -> TaskData:
+def build(cfg) -> TaskData:
     """``cfg``: the ``task`` config (data_dir, prefix, max_len, generate, generator, sizes)."""
     data_dir = Path(cfg.data_dir)
     prefix = cfg.get("prefix", "basic")

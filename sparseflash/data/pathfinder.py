@@ -69,8 +69,7 @@ LAYOUT = """<task.data_dir>/                    (LRA's lra_release/pathfinder32/
 
 DEFAULTS = dict(contour_length=14, paddle_length=2, paddle_margin=1, paddle_thickness=0.5, marker_radius=1.5,
                 seed_distance=7, continuity=1.0, padding=1, antialias=2, contrast=0.75, snake_contrast=2.0)
-# The generator's version, part of the disk cache's key (1: contours drawn without collision test;
-# 2: every contour at one intensity)
+# The generator's version, part of the disk cache's key: raise it whenever the images it draws change
 VERSION = 3
 
 _OWN = 1            # a paddle may come near this many paddles before it on its own snake
@@ -335,7 +334,10 @@ def load_generated(data_dir: str | os.PathLike, num: int, size: int, seed: int, 
 def load_released(root: str | os.PathLike) -> tuple[list[np.ndarray], list[int]]:
     """Images and labels listed in ``root/metadata/*.npy``; unreadable images are skipped with a
     warning (the release has a few)."""
-    from PIL import Image  # pillow: only needed for the released PNGs
+    try:
+        from PIL import Image  # pillow: only needed for the released PNGs
+    except ImportError as err:
+        raise ImportError("the released Pathfinder images need pillow: pip install 'sparseflash[lra]'") from err
 
     root = Path(root)
     images, labels, bad = [], [], []
@@ -356,7 +358,7 @@ def load_released(root: str | os.PathLike) -> tuple[list[np.ndarray], list[int]]
     return images, labels
 
 
-def build(cfg, seed: int = 0) -> TaskData:
+def build(cfg) -> TaskData:
     """``cfg``: the ``task`` config (data_dir, size, difficulty, generate, num, splits)."""
     size = int(cfg.get("size", 32))
     data_dir = Path(cfg.data_dir)

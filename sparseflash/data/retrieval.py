@@ -21,18 +21,29 @@ SPLITS = {"train": "train", "val": "eval", "test": "test"}
 
 
 def load_tsv(path: Path, max_len: int) -> SequenceDataset:
+    """The pairs of one AAN file (``LAYOUT``); blank lines are skipped, any other line must have its five
+    tab-separated columns and a label 0 or 1."""
     pairs, labels = [], []
     with open(path, "rb") as f:
-        for line in f:
+        for number, line in enumerate(f, start=1):
             cols = line.rstrip(b"\r\n").split(b"\t")
-            if len(cols) < 5:
+            if cols == [b""]:
                 continue
-            labels.append(int(float(cols[0])))
+            try:
+                label = float(cols[0]) if len(cols) >= 5 else None
+            except ValueError:
+                label = None
+            if label not in (0.0, 1.0):
+                raise ValueError(f"{path}, line {number}: expected 'label<TAB>id1<TAB>id2<TAB>text1<TAB>text2' "
+                                 f"with a label 0 or 1; got {line[:60]!r}")
+            labels.append(int(label))
             pairs.append((bytes_to_tokens(cols[3], max_len), bytes_to_tokens(cols[4], max_len)))
+    if not pairs:
+        raise ValueError(f"{path} holds no pairs; expected lines {LAYOUT.splitlines()[2].split('e.g. ')[1]}")
     return SequenceDataset(pairs, labels, pair=True)
 
 
-def build(cfg, seed: int = 0) -> TaskData:
+def build(cfg) -> TaskData:
     """``cfg``: the ``task`` config (data_dir, prefix, max_len)."""
     root = Path(cfg.data_dir)
     prefix = str(cfg.get("prefix", "new_aan_pairs"))

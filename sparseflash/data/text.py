@@ -26,7 +26,7 @@ def load_split(root: Path, max_len: int) -> SequenceDataset:
     return SequenceDataset(seqs, labels)
 
 
-def build(cfg, seed: int = 0) -> TaskData:
+def build(cfg) -> TaskData:
     """``cfg``: the ``task`` config (data_dir, max_len, val_fraction, split_seed)."""
     root = Path(cfg.data_dir) / "aclImdb"
     require("IMDb", [root / s / c for s in ("train", "test") for c in ("pos", "neg")], LAYOUT)

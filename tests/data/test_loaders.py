@@ -39,6 +39,23 @@ def test_aan_pairs(tmp_path):
     assert set(batch) == {"x", "lengths", "x2", "lengths2", "y"} and batch["x"].shape[1] <= 12
 
 
+@pytest.mark.parametrize("case", ["header", "commas", "empty"])
+def test_bad_aan_files_are_explained(tmp_path, case):
+    write_aan(tmp_path, n=4)
+    train = tmp_path / "new_aan_pairs.train.tsv"
+    if case == "header":
+        train.write_text("label\tid1\tid2\ttext1\ttext2\n" + train.read_text())
+        message = r"new_aan_pairs.train.tsv, line 1: expected 'label<TAB>id1<TAB>id2<TAB>text1<TAB>text2' .*got b'label"
+    elif case == "commas":
+        train.write_text(train.read_text().replace("\t", ","))
+        message = r"line 1: expected 'label<TAB>id1<TAB>id2<TAB>text1<TAB>text2' with a label 0 or 1; got b'0.0,P00"
+    else:
+        train.write_text("\n")
+        message = r"new_aan_pairs.train.tsv holds no pairs; expected lines \"1.0<TAB>P01-1005"
+    with pytest.raises(ValueError, match=message):
+        build_task(OmegaConf.create({"name": "retrieval", "data_dir": str(tmp_path), "max_len": 12}))
+
+
 @pytest.mark.parametrize("name,extra,expect", [
     ("listops", {"generate": False}, "basic_train.tsv"),
     ("pathfinder", {"generate": False}, "curv_contour_length_14"),
