@@ -27,6 +27,7 @@ from triton.testing import do_bench
 import sparseflash
 from sparseflash.attention.baselines import Unsupported, flex_attention, sdpa_attention, to_flex_block_mask
 from sparseflash.attention.triton import tuning
+from sparseflash.bench.spec import attention_flops
 from sparseflash.masks import make
 from sparseflash.timing import interleaved_times
 
@@ -194,7 +195,7 @@ def main():
                     peers["no-gluon"] = lambda q, k, v: sparseflash.attention(q, k, v, triton_mask, backend="triton")
                 for mode in args.modes:
                     ms = peer_medians(peers, q, k, v, mode)
-                    flops = 4 * batch * heads * seq * seq * dim * mask.density * (1 if mode == "fwd" else 3.5)
+                    flops = attention_flops(batch, heads, seq, seq, dim, mask.density, mode)
                     print(f"| {dim} | {seq} | {name} | {mode} | {mask.density:.3f} | {ms['triton']:.3f} | "
                           f"{flops / ms['triton'] / 1e9:.0f} | {ms['flex']:.3f} | {ms['sdpa']:.3f} | "
                           f"{ms['flex'] / ms['triton']:.2f} | {ms['sdpa'] / ms['triton']:.2f} | "

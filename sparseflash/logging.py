@@ -23,6 +23,21 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 
+def output_dir(configured: str | os.PathLike | None, fallback: str) -> Path:
+    """Where a run writes: ``configured`` where set, else Hydra's output directory when Hydra runs the job,
+    else ``fallback/<date>_<time>``."""
+    if configured:
+        return Path(configured)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return Path(HydraConfig.get().runtime.output_dir)
+    except ImportError:  # Hydra is a dependency; a bare install of the kernels may still lack it
+        pass
+    return Path(fallback) / time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
         value = value.item()

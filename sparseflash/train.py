@@ -56,7 +56,7 @@ from sparseflash.data import TaskData, build_task
 from sparseflash.data.augment import grid_augment
 from sparseflash.data.stream import BatchLoader, BatchStream, count_tokens, load_batch
 from sparseflash.distributed import Dist
-from sparseflash.logging import RunLogger, console_fallback, drop_records_after
+from sparseflash.logging import RunLogger, console_fallback, drop_records_after, output_dir
 from sparseflash.masks import MaskSpec, import_patterns
 from sparseflash.models import build_model
 from sparseflash.models.lra import ATTENTION_KEYS
@@ -108,16 +108,7 @@ def seed_everything(seed: int) -> None:
 
 
 def _run_dir(cfg: DictConfig, run_dir: str | os.PathLike | None) -> Path:
-    if run_dir is not None:
-        return Path(run_dir)
-    if cfg.get("run_dir"):
-        return Path(cfg.run_dir)
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return Path(HydraConfig.get().runtime.output_dir)
-    except Exception:
-        return Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")
+    return Path(run_dir) if run_dir is not None else output_dir(cfg.get("run_dir"), "outputs")
 
 
 def _load_task(task_cfg: DictConfig, ctx: Dist) -> TaskData:

@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -25,22 +24,10 @@ from sparseflash.bench import plots as plots_mod
 from sparseflash.bench import report
 from sparseflash.bench.spec import BenchConfig
 from sparseflash.bench.sweep import count, sweep
-from sparseflash.logging import console_fallback
+from sparseflash.logging import console_fallback, output_dir
 
 log = logging.getLogger(__name__)
 
-
-def _output_dir(cfg: BenchConfig) -> Path:
-    if cfg.out_dir:
-        return Path(cfg.out_dir)
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if HydraConfig.initialized():
-            return Path(HydraConfig.get().runtime.output_dir)
-    except ImportError:  # pragma: no cover
-        pass
-    return Path("outputs/bench") / time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
 class _Progress:
@@ -131,7 +118,7 @@ def _run(cfg: Any) -> list[dict]:
     env = report.environment(spec.torch_device())  # a device this machine lacks fails here
     if spec.plots.enabled:
         plots_mod.pyplot()  # and so does a missing matplotlib, not after the sweep
-    out_dir = _output_dir(spec)
+    out_dir = output_dir(spec.out_dir, "outputs/bench")
     out_dir.mkdir(parents=True, exist_ok=True)
     log.info(f"bench: {count(spec)} rows on {env['gpu']} (torch {env['torch']}, triton {env['triton']}) -> {out_dir}")
     stream = open(out_dir / "results.jsonl", "w", encoding="utf-8")
