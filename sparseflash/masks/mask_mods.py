@@ -35,9 +35,9 @@ def document_ids(length: int, documents: int = 4, lengths: Sequence[int] | None 
     """int32 ``[length]``: the document of each position of a packed sequence, from the documents'
     ``lengths`` (summing to ``length``) or, without them, ``documents`` parts: equal, or of random
     lengths drawn with ``seed`` (boundaries uniform over the sequence, as packed corpora are)."""
+    if lengths is None and not 1 <= documents <= length:
+        raise ValueError(f"documents must be in [1, {length}]; got {documents}")
     if lengths is None and seed is not None:
-        if not 1 <= documents <= length:
-            raise ValueError(f"documents must be in [1, {length}]; got {documents}")
         cuts = torch.randperm(length - 1, generator=torch.Generator().manual_seed(int(seed)))[: documents - 1] + 1
         edges = torch.cat([torch.tensor([0]), cuts.sort().values, torch.tensor([length])])
         lengths = edges.diff().tolist()
@@ -48,8 +48,6 @@ def document_ids(length: int, documents: int = 4, lengths: Sequence[int] | None 
                              f"got {lengths} (sum {sum(lengths)})")
         counts = torch.tensor(lengths)
         return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), counts).to(device)
-    if not 1 <= documents <= length:
-        raise ValueError(f"documents must be in [1, {length}]; got {documents}")
     return (torch.arange(length, dtype=torch.int64) * documents // length).to(torch.int32).to(device)
 
 

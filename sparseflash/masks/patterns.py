@@ -112,10 +112,15 @@ def import_patterns(sources: Iterable[str]) -> None:
             except BaseException:
                 del sys.modules[name]  # a failed import is not "already imported"
                 raise
-        else:
-            if os.getcwd() not in sys.path:
+        else:  # found from the working directory too, for this import only
+            added = os.getcwd() not in sys.path
+            if added:
                 sys.path.insert(0, os.getcwd())
-            importlib.import_module(source)
+            try:
+                importlib.import_module(source)
+            finally:
+                if added:
+                    sys.path.remove(os.getcwd())
 
 
 def registered() -> list[str]:
@@ -341,8 +346,6 @@ def local(n_q: int, n_kv: int, window: int = 1) -> torch.Tensor:
     """Sliding window: tile (i, j) when ``|i - j| <= window`` (in blocks, on each side).
 
     With ``causal=True`` in ``make`` only the window's past half and the diagonal remain."""
-    if window < 0:
-        raise ValueError(f"local window must be >= 0 blocks; got {window}")
     return _window(n_q, n_kv, window)
 
 

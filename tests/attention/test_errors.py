@@ -202,7 +202,7 @@ MAKE_ERRORS = {
     "make-block": (lambda: make("dense", 64, block=(16, 300)), r"SPARSE_BLOCK_N must be a power of two .*got 300"),
     "make-q-len-0": (lambda: make("dense", 0, block=16), r"q_len must be >= 1; got 0"),
     "butterfly-factors": (lambda: make("butterfly", 64, block=16, factors=-1), r"butterfly factors must be >= 0; got -1"),
-    "local-window": (lambda: make("local", 64, block=16, window=-1), r"local window must be >= 0 blocks; got -1"),
+    "local-window": (lambda: make("local", 64, block=16, window=-1), r"window must be >= 0 blocks; got -1"),
     "strided-stride": (lambda: make("strided", 64, block=16, stride=0), r"strided needs stride >= 1; got 0"),
     "fixed-stride": (lambda: make("fixed", 64, block=16, stride=0),
                      r"fixed needs stride >= 1 and 1 <= summary <= stride; got 0, 1"),
