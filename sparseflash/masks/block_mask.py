@@ -132,7 +132,17 @@ class BlockMask:
         mask_mod: ``(b, h, q_idx, kv_idx) -> bool``, applied inside the computed tiles (checked and
             classified per tile here). ``b`` runs over the layout's batch dimension (0 without one),
             ``h`` over its heads (0 for a shared layout).
+
+    A mask is immutable: what it derives (its kind, tables, tiles) is computed from these once, so
+    they cannot be set again; ``&``, ``|``, ``batch_view`` and ``to`` make new masks.
     """
+
+    FIELDS = ("layout", "block_size", "q_len", "kv_len", "causal", "mask_mod")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in BlockMask.FIELDS and name in self.__dict__:
+            raise AttributeError(f"a BlockMask is immutable: build a new one instead of setting {name}")
+        object.__setattr__(self, name, value)
 
     def __init__(
         self,

@@ -329,3 +329,12 @@ def test_to_cuda_round_trip():
     assert cuda.device.type == "cuda" and cuda == mask and cuda.to("cpu") == mask
     assert torch.equal(cuda.to_dense().cpu(), mask.to_dense())
     assert cuda.density == mask.density and cuda.kind is mask.kind
+
+
+@pytest.mark.parametrize("field", BlockMask.FIELDS)
+def test_a_mask_is_immutable(field):
+    """What a mask derives (its kind, tables, tiles) comes from its fields once: setting one again is an error."""
+    mask = make("causal", 64, block=16)
+    with pytest.raises(AttributeError, match=rf"a BlockMask is immutable: build a new one instead of setting {field}"):
+        setattr(mask, field, getattr(mask, field))
+    assert mask.kind is MaskKind.CAUSAL
