@@ -573,7 +573,9 @@ def _either(first: BlockMask, second: BlockMask) -> MaskMod:
     def either(b, h, q_idx, kv_idx):
         out = None
         for (layout, causal, mod), (one_batch, one_head) in zip(masks, shared):
-            keep = layout[b * 0 if one_batch else b, h * 0 if one_head else h, q_idx // block_m, kv_idx // block_n]
+            # 0 for a shared dimension, not b * 0: the predicate then does not read b (h), which a mask of one
+            # batch element (head) requires (check_shared_dims)
+            keep = layout[0 if one_batch else b, 0 if one_head else h, q_idx // block_m, kv_idx // block_n]
             if causal:
                 keep = keep & (q_idx >= kv_idx)
             if mod is not None:
