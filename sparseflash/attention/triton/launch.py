@@ -75,8 +75,8 @@ GLUON_TRITON = (3, 6)  # the first Triton whose Gluon has the Hopper API the Glu
 
 
 def gluon_hopper(device: torch.device) -> bool:
-    """Whether the Gluon kernels (forward_gluon.py, backward_gluon.py) run on ``device``: a Hopper GPU (capability 9.x) with Triton >=
-    3.6; never under the interpreter, which does not run Gluon."""
+    """Whether the Gluon kernels (forward_gluon.py, backward_gluon.py) run on ``device``: a Hopper GPU
+    (capability 9.x) with Triton >= 3.6; never under the interpreter, which does not run Gluon."""
     return device.type == "cuda" and not interpreting() and _gluon_hopper(device)
 
 
