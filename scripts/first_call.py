@@ -10,8 +10,9 @@ one-time costs, paid by the first backward of any model in a process):
   mask             building the mask;
   first fwd        the first forward (kernel compiles; tuning too with SPARSEFLASH_TUNE=1);
   first bwd        the first backward after it;
-  second fwd+bwd   the call after it (slower where a compile is still running beside it: the
-                   Python part of a compile holds the GIL);
+  second fwd+bwd   the call after it;
+  calls 2-10       the nine calls after the first, in all (at head_dim 128 the first backward may run
+                   two kernels that stand in for one still compiling: docs/kernels.md, "The first call");
   steady fwd+bwd   the median of 20 calls after 3 s of calls.
 
 Point both caches at empty directories to see a first call on a new machine, or run the script
@@ -93,6 +94,7 @@ def main() -> None:
         torch.autograd.grad(sparseflash.attention(q, k, v, mask, score_mod=score_mod), (q, k, v), do)
 
     second = _synced(step)
+    next_nine = second + _synced(lambda: [step() for _ in range(8)])
     settle = time.perf_counter() + 3  # a few seconds of training: compiles still running ahead finish
     while time.perf_counter() < settle:
         step()
@@ -101,6 +103,7 @@ def main() -> None:
           f"H={args.heads}, mask density {mask.density:.3f}")
     print(f"mask {build:.3f} s   first fwd {first_fwd:.3f} s   first bwd {first_bwd:.3f} s   "
           f"first fwd+bwd {first_fwd + first_bwd:.3f} s   second fwd+bwd {second * 1e3:.1f} ms   "
+          f"calls 2-10 {next_nine * 1e3:.1f} ms   "
           f"steady fwd+bwd {steady * 1e3:.3f} ms")
 
 

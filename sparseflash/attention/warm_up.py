@@ -5,9 +5,12 @@ The first compile of a process, whether Triton's cache holds the kernel or not, 
 compiler (``triton.runtime.cache.triton_key``: its Python sources and its 100+ MB shared library, 0.4 s
 on an H100 host). A thread of its own hashes it while the program builds its model, loads data and starts
 CUDA, which usually takes longer, so that a first call finds it done: a new process whose kernels are
-cached starts in a third to a half of the time. Triton itself is imported on the importing thread: a
-package's modules imported on two threads at once can meet each other half-initialised (Python then
-raises an ImportError), and the hash imports nothing. ``SPARSEFLASH_WARM_UP=0`` turns it off; under
+cached starts in a third to a half of the time. The thread then builds Triton's C helpers for CUDA, which
+its driver loads at the first launch: a gcc compile (0.5 s) where Triton's cache lacks them, on a new
+machine. It makes no CUDA call (a CUDA driver started before a fork leaves the forked children without
+CUDA). Triton itself is imported on the importing thread: a package's modules imported on two threads at
+once can meet each other half-initialised (Python then raises an ImportError), and the thread imports
+nothing. ``SPARSEFLASH_WARM_UP=0`` turns it off; under
 Triton's interpreter (``TRITON_INTERPRET=1``), which compiles nothing, it does not run.
 """
 
@@ -31,6 +34,19 @@ def start() -> threading.Thread | None:
         from triton.runtime.cache import triton_key
     except ImportError:
         return None
-    thread = threading.Thread(target=triton_key, name="sparseflash-warm-up")  # lru_cache keeps the hash
+    try:
+        from triton.backends.nvidia.driver import CudaUtils
+    except ImportError:
+        CudaUtils = None  # noqa: N806 (a class, or nothing)
+    thread = threading.Thread(target=_warm_up, args=(triton_key, CudaUtils), name="sparseflash-warm-up")
     thread.start()
     return thread
+
+
+def _warm_up(triton_key, cuda_utils) -> None:
+    triton_key()  # its lru_cache keeps the hash
+    if cuda_utils is not None:
+        try:
+            cuda_utils()  # compiled into Triton's cache, where the driver finds it
+        except Exception:  # noqa: BLE001 (no CUDA driver library, say: the first launch reports it)
+            pass

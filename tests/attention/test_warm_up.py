@@ -44,3 +44,25 @@ def test_no_warm_up_with_a_torch_built_without_cuda(cuda_build, monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", None)
     assert warm_up.start() is None
     assert triton_key.cache_info().currsize == 0
+
+
+@pytest.mark.parametrize("outcome", ["built", "no-cuda-driver"])
+def test_the_warm_up_builds_tritons_cuda_helpers_and_survives_a_machine_without_them(cuda_build, monkeypatch,
+                                                                                      outcome):
+    from triton.backends.nvidia import driver
+
+    built = []
+
+    class RecordingUtils:
+        def __init__(self):
+            built.append(True)
+            if outcome == "no-cuda-driver":
+                raise AssertionError("libcuda.so cannot found!")  # Triton's words where the library is missing
+
+    monkeypatch.setattr(driver, "CudaUtils", RecordingUtils)
+    failures = []
+    monkeypatch.setattr("threading.excepthook", failures.append)
+    thread = warm_up.start()
+    thread.join(timeout=120)
+    assert built == [True] and not failures
+    assert triton_key.cache_info().currsize == 1

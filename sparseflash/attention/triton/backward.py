@@ -40,6 +40,8 @@ dP' is the gradient of the undropped probabilities, since o already holds the ke
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -517,6 +519,12 @@ PREPROCESS_BLOCK_M = 64
 # streams 128 queries, dQ holds 128 queries and streams 32 keys; docs/kernels.md, "The backward").
 FUSED_FROM_HEAD_DIM = 128
 SPLIT_FROM_COLUMNS = 256
+FUSED, SPLIT = [("backward", 0)], [("dkdv", 1), ("dq", 2)]
+# The fused kernel compiles in about the time of its two halves one after the other (~3 s at head_dim 128
+# on an H100 host). A first call also compiles the halves ahead, each in a process of its own beside it,
+# and its backward runs them, with the fused kernel's config, until the fused kernel is compiled: where the
+# host has the cores to compile them all at once (docs/kernels.md, "The first call").
+STAND_IN_FROM_CPUS = 8
 PREPROCESS = Launcher(_bwd_preprocess)
 BACKWARD = Launcher(_attn_bwd)
 
@@ -524,7 +532,7 @@ BACKWARD = Launcher(_attn_bwd)
 def _kernels(plan: LaunchPlan) -> list[tuple[str, int]]:
     """The tuned kernels of a backward and their PROGRAMS flags: one launch, or dK/dV then dQ."""
     fused = plan.padded_dim >= FUSED_FROM_HEAD_DIM and plan.config_key.columns < SPLIT_FROM_COLUMNS
-    return [("backward", 0)] if fused else [("dkdv", 1), ("dq", 2)]
+    return FUSED if fused else SPLIT
 
 
 def query_rows(cfg: KernelConfig, programs: int) -> bool:
@@ -544,10 +552,11 @@ def _preprocess(plan: LaunchPlan, o, do, lse, dlse, delta, lse2, stats_stride: i
 
 
 def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, mods, stats_stride,
-              dropout, grads=(), ahead: bool = False):
-    """``launch(cfg)`` of the backward kernel with PROGRAMS ``programs`` (``dropout``: ``plan.dropout_args``;
-    ``ahead``: only compile it; the tensors past v may be ``Standin``s); the dK/dV programs add into
-    ``grads``, zeroed first."""
+              dropout, grads=()):
+    """``launch(cfg, via=BACKWARD)``: the backward kernel with PROGRAMS ``programs`` (``dropout``:
+    ``plan.dropout_args``) through ``via``: ``BACKWARD`` launches it, ``BACKWARD.compile_ahead`` only compiles
+    it (the tensors past v may then be ``Standin``s), ``BACKWARD.ready`` says whether it is compiled. A launch
+    of the dK/dV programs zeroes ``grads`` first: they add into them."""
     seed, *dropout_scalars = dropout
     tensors = (q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, *plan.tables_of("q")[0], *plan.tables_of("kv")[0],
                mods, seed)
@@ -555,17 +564,16 @@ def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk,
                *plan.tables_of("q")[1], *plan.tables_of("kv")[1], plan.heads, plan.groups, plan.q_len, plan.kv_len,
                plan.head_dim, plan.qk_scale, plan.scale, stats_stride, *dropout_scalars)
 
-    def launch(cfg: KernelConfig) -> None:
+    def launch(cfg: KernelConfig, via=BACKWARD):
         key_tiles = cdiv(plan.kv_len, cfg.block_m)
         query_tiles = plan.groups * cdiv(plan.q_len, cfg.block_m)
         grid = ((key_tiles + query_tiles, key_tiles, query_tiles)[programs], plan.batch * plan.kv_heads)
-        if programs != 2:  # the dK/dV programs add into the captured tensors' gradients: once per launch
+        if programs != 2 and via is BACKWARD:  # the dK/dV programs add into the captured tensors' gradients
             for grad in grads:
                 if grad is not None:
                     grad.zero_()
-        (BACKWARD.compile_ahead if ahead else BACKWARD)(
-            grid, tensors, scalars, plan.constexprs(cfg, PROGRAMS=programs, SCORE_MOD_GRADS=plan.score_mod_grads,
-                                                    QUERY_ROWS=query_rows(cfg, programs)))
+        return via(grid, tensors, scalars, plan.constexprs(cfg, PROGRAMS=programs, QUERY_ROWS=query_rows(cfg, programs),
+                                                           SCORE_MOD_GRADS=plan.score_mod_grads))
     return launch
 
 
@@ -599,10 +607,34 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
                                                                 stats_stride):
         return dq, dk, dv, grads
     dropout_args = plan.dropout_args(dropout)
-    for kernel, programs in _kernels(plan):
-        run_tuned(kernel, plan.config_key, _launcher(plan, programs, q, k, v, do, lse2, delta, dq, dk, dv,
-                                                     key_lengths, mods, stats_stride, dropout_args, grads))
+
+    def launcher(programs: int):
+        return _launcher(plan, programs, q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, mods, stats_stride,
+                         dropout_args, grads)
+
+    kernels = _kernels(plan)
+    cfg = _stand_in_config(plan, launcher(0)) if kernels is FUSED else None
+    if cfg is not None:
+        for _, programs in SPLIT:
+            launcher(programs)(cfg)
+        return dq, dk, dv, grads
+    for kernel, programs in kernels:
+        run_tuned(kernel, plan.config_key, launcher(programs))
     return dq, dk, dv, grads
+
+
+def _stand_in_config(plan: LaunchPlan, fused) -> KernelConfig | None:
+    """The config of the fused kernel's halves where they stand in for it (it is still compiling, after a
+    first call compiled the halves ahead), else None. The first launch the fused kernel is ready for ends
+    the standing in, for every layout of the plan."""
+    standing_in = plan.per_layout.get("backward_stand_in", {})
+    cfg = standing_in.get("config")
+    if cfg is None:
+        return None
+    if fused(cfg, BACKWARD.ready):
+        del standing_in["config"]
+        return None
+    return cfg
 
 
 def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
@@ -615,9 +647,17 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
     if plan.gluon_backward and gluon_kernels("backward").compile_ahead(plan, q, k, v, stats, stats_stride):
         return
     mods = plan.mods_table(list(captures))
+
+    def launcher(programs: int):
+        return _launcher(plan, programs, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape),
+                         Standin(v.dtype, v.shape), key_lengths, mods, stats_stride, plan.dropout_args(None, ahead=True))
+
     for kernel, programs in _kernels(plan):
         cfg = planned(kernel, plan.config_key)
-        if cfg is not None:
-            _launcher(plan, programs, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape),
-                      Standin(v.dtype, v.shape), key_lengths, mods, stats_stride, plan.dropout_args(None, ahead=True),
-                      ahead=True)(cfg)
+        if cfg is None:
+            continue
+        if programs == 0 and not launcher(0)(cfg, BACKWARD.ready) and (os.cpu_count() or 1) >= STAND_IN_FROM_CPUS:
+            for _, half in SPLIT:
+                launcher(half)(cfg, BACKWARD.compile_ahead)
+            plan.per_layout.setdefault("backward_stand_in", {})["config"] = cfg
+        launcher(programs)(cfg, BACKWARD.compile_ahead)

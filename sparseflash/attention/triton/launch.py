@@ -7,10 +7,10 @@ for ~0.6 ms (docs/kernels.md, "Host time"). ``Launcher`` goes through Triton onc
 specialisation, keeps the compiled kernel it returns, and then launches that kernel directly.
 
 A kernel's first launch compiles it (seconds on an H100). ``Launcher.compile_ahead`` compiles what
-a launch will need on threads of the launcher's own, so that the forward and the backward kernels
-of a first call, and two specialisations of one kernel, compile at the same time instead of one
-after the other (they overlap where the GIL is free: Triton's MLIR and LLVM stages, ptxas; its
-Python front end takes turns); outputs not allocated yet are given as ``Standin``s.
+a launch will need in a child process forked for it (forked.py), so that the forward and the
+backward kernels of a first call, and several specialisations of one kernel, compile at the same
+time on cores of their own; the launch then finds its kernel in Triton's disk cache. Outputs not
+allocated yet are given as ``Standin``s.
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ from __future__ import annotations
 import functools
 import math
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import triton
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
+from triton.runtime.cache import triton_key
 from triton.runtime.jit import JITFunction
+
+from sparseflash.attention.triton import forked
 
 
 def interpreting() -> bool:
@@ -54,9 +56,9 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Compiles ahead of one kernel at once, each on a thread of its launcher: the backward's dK/dV and
-# dQ kernels below head_dim 128 (backward.py). One after the other they made a first call ~1.3 s longer.
-AHEAD_THREADS = 2
+# How long a launch waits for its compile ahead before it kills the child and compiles itself: a compile
+# takes 1-5 s on an H100 host; a child that takes far longer is stuck (forked.py).
+AHEAD_TIMEOUT_SECONDS = 300
 
 LAUNCH_KEYS_KEPT = 4096  # launch keys a Launcher keeps, the most recent (a key holds every scalar's value)
 
@@ -115,8 +117,7 @@ class Launcher:
         self._direct = isinstance(kernel, JITFunction)
         self._compiled: dict[tuple, tuple[CompiledKernel, tuple]] = {}
         self._variants: set[tuple] = set()  # the keys of _compiled without their scalars (_variant)
-        self._compiler: ThreadPoolExecutor | None = None
-        self._ahead: dict[tuple, Future] = {}  # compiles ahead, by the key of the launch they serve
+        self._ahead: dict[tuple, forked.Child] = {}  # compiles ahead, by the key of the launch they serve
 
     @staticmethod
     def _key(tensors: tuple, scalars: tuple, constexprs: dict) -> tuple:
@@ -159,12 +160,13 @@ class Launcher:
             return
         # Wait for the compile ahead made for this launch, or, where there is none, for every one in
         # flight: a launch whose strides differ from the stand-ins' (a model's gradient out of a
-        # rearrange) is often the same Triton specialisation, which Triton then finds compiled instead of
-        # compiling it again beside the compile ahead. A compile that failed is repeated below, and reports.
+        # rearrange) is often the same Triton specialisation, which Triton then finds in its cache instead
+        # of compiling it beside the compile ahead. A compile that failed is repeated below, and reports.
         ahead = self._ahead.pop(key, None)
-        for future in [ahead] if ahead is not None else list(self._ahead.values()):
-            future.exception()
-        self._ahead = {k: future for k, future in self._ahead.items() if not future.done()}
+        for child in [ahead] if ahead is not None else list(self._ahead.values()):
+            forked.wait(child, AHEAD_TIMEOUT_SECONDS)
+        # (those that failed go: their launch compiles through Triton; those that succeeded stay, for ``ready``)
+        self._ahead = {k: child for k, child in self._ahead.items() if not child.done() or child.exception() is None}
         compiled = self.kernel[grid](*tensors, *scalars, **constexprs)
         names = self.kernel.arg_names[len(tensors) + len(scalars):]
         if len(self._compiled) >= LAUNCH_KEYS_KEPT:  # the oldest goes (a new length each step would grow it
@@ -186,32 +188,63 @@ class Launcher:
 
         return launch
 
-    def compile_ahead(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> None:
-        """Start compiling, on a thread of the launcher's, the kernel that a launch with these arguments
-        needs (``tensors`` may hold ``Standin``s), unless it is compiled or compiling. The launch waits for
-        it; a compile that fails is left for the launch to repeat and report."""
+    def ready(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> bool:
+        """Whether a launch with these arguments would start without waiting for a compile: its kernel was
+        launched before, or compiled ahead (``grid`` is no part of that: it is taken so that the arguments
+        read as a launch's)."""
         if not self._direct:
+            return True
+        key = self._key(tensors, scalars, constexprs)
+        ahead = self._ahead.get(key)
+        return key in self._compiled or (ahead is not None and ahead.done() and ahead.exception() is None)
+
+    def compile_ahead(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> None:
+        """Start compiling, in a child process, the kernel that a launch with these arguments needs
+        (``tensors`` may hold ``Standin``s), unless it is compiled or compiling. The launch waits for it;
+        a compile that fails is left for the launch to repeat and report."""
+        if not self._direct or not forked.available():
             return
         key = self._key(tensors, scalars, constexprs)
         if key in self._compiled or key in self._ahead or self._variant(key) in self._variants:
             return
-        if self._compiler is None:
-            self._compiler = ThreadPoolExecutor(max_workers=AHEAD_THREADS, thread_name_prefix="sparseflash-compile")
-        # Triton (3.6) hashes a function and the functions it calls lazily and without a lock: two
-        # threads doing it at once can see each other's placeholder and compile under keys that no
-        # later launch looks up. Hash here, on the calling thread, before any compile thread runs; and
-        # make the kernel's per-device cache here, which two threads could each make and one lose.
+        # What each child would compute again, or cannot: the hashes of the kernel and of the functions it
+        # takes, the kernel's per-device binder (Triton makes it from the current target: a CUDA call), the
+        # current device and target.
         for fn in (self.kernel, *constexprs.values()):
             if isinstance(fn, JITFunction):
                 fn.cache_key  # noqa: B018 (computed and kept by the property)
-        device = driver.active.get_current_device()  # the thread's own starts at device 0
+        triton_key()  # Triton's own hash, in every cache key: done by then on the warm-up thread, mostly
+        device = driver.active.get_current_device()
         self.kernel.device_caches[device]  # noqa: B018 (made and kept by the defaultdict)
+        in_child = _ChildDriver(driver.active, device, driver.active.get_current_target())
 
-        def compile_on_device():
-            driver.active.set_current_device(device)
+        def compile_in_child():
+            driver.set_active(in_child)
             compiled = self.kernel.warmup(*tensors, *scalars, grid=grid, **constexprs)
-            # Loading the module and building the launch stub (a C compile where Triton's cache
-            # lacks it) happen at the first launch otherwise: 0.3-0.5 s each on an H100 host.
-            getattr(compiled, "_init_handles", lambda: None)()
+            # its launch stub, a C compile that Triton caches (0.3-0.5 s on an H100 host) and the launch
+            # would build otherwise
+            in_child.launcher_cls(compiled.src, compiled.metadata)
 
-        self._ahead[key] = self._compiler.submit(compile_on_device)
+        child = forked.start(compile_in_child)
+        if child is not None:
+            self._ahead[key] = child
+
+
+class _ChildDriver:
+    """Triton's driver as a forked child compiles under it: the parent's, with the current device, stream
+    and target fixed, which Triton would ask CUDA (through torch) for."""
+
+    def __init__(self, parent, device: int, target):
+        self._parent, self._device, self._target = parent, device, target
+
+    def get_current_device(self) -> int:
+        return self._device
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0  # a compile launches nothing
+
+    def get_current_target(self):
+        return self._target
+
+    def __getattr__(self, name: str):
+        return getattr(self._parent, name)

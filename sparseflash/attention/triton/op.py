@@ -33,8 +33,8 @@ def triton_backward(q, k, v, o, lse, do, dlse, plan: LaunchPlan, key_lengths, sc
 
 def compile_ahead(q, k, v, plan: LaunchPlan, key_lengths, score_graph: Graph | None, backward: bool) -> None:
     """On the first call of a plan with these layouts, start compiling the forward kernels (and with
-    ``backward`` the backward's) on background threads, so that they compile at once, not one after the
-    other (Triton holds the GIL in parts of a compile, so they overlap partly). Only on the GPU."""
+    ``backward`` the backward's) in child processes, so that they compile at once, not one after the
+    other. Only on the GPU."""
     if interpreting() or q.device.type != "cuda":
         return
     seen = plan.per_layout.setdefault("compiled_ahead", set())
@@ -43,9 +43,9 @@ def compile_ahead(q, k, v, plan: LaunchPlan, key_lengths, score_graph: Graph | N
         return
     seen.add(layout)
     captures, lengths = plan.captures(score_graph), plan.key_lengths_arg(key_lengths)
-    if backward:  # first: it takes longest, and the compiles hold the GIL in turns
+    compile_forward_ahead(q, k, v, lengths, plan, captures)  # first: the call waits for it
+    if backward:
         compile_backward_ahead(q, k, v, lengths, plan, captures)
-    compile_forward_ahead(q, k, v, lengths, plan, captures)
 
 
 class TritonAttentionFunction(torch.autograd.Function):

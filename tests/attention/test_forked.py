@@ -1,0 +1,37 @@
+"""``forked``: a task run in a child process forked from the caller, waited for through a Future."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from sparseflash.attention.triton import forked
+
+
+def test_a_task_runs_in_a_child_and_its_future_resolves_when_it_exits(tmp_path):
+    out = tmp_path / "pid"
+    child = forked.start(lambda: out.write_text(str(os.getpid())))
+    assert forked.wait(child, timeout=30)
+    assert child.result() is None and int(out.read_text()) == child.pid != os.getpid()
+
+
+@pytest.mark.parametrize("task", ["raises", "exits"])
+def test_a_task_that_fails_fails_its_future(task):
+    def fail():
+        if task == "raises":
+            raise ValueError("in the child")
+        os._exit(3)
+
+    child = forked.start(fail)
+    assert not forked.wait(child, timeout=30)
+    assert isinstance(child.exception(), forked.ChildFailed)
+
+
+def test_a_child_past_its_timeout_is_killed():
+    child = forked.start(lambda: time.sleep(60))
+    start = time.perf_counter()
+    assert not forked.wait(child, timeout=0.3)
+    assert time.perf_counter() - start < 10
+    assert "exit status -9" in str(child.exception())  # SIGKILL
