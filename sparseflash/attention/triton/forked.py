@@ -14,6 +14,7 @@ at the fork; a child that hangs regardless is killed after ``wait``'s timeout.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -56,6 +57,9 @@ def start(task: Callable[[], object]) -> Child | None:
             os.close(write_end)
             return None
     if pid == 0:  # the child: never returns to the caller's code, never runs its exit handlers
+        # A collection would walk every object of the parent's heap, writing to each: copying the pages
+        # the child shares with the parent. The task is short; what it leaves goes with the child.
+        gc.disable()
         done = b"1"
         try:
             task()
