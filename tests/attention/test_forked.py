@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -35,3 +36,17 @@ def test_a_child_past_its_timeout_is_killed():
     assert not forked.wait(child, timeout=0.3)
     assert time.perf_counter() - start < 10
     assert "exit status -9" in str(child.exception())  # SIGKILL
+
+
+def test_the_child_prints_nothing_through_the_parents_streams(tmp_path, capfd):
+    out = tmp_path / "done"
+
+    def task():
+        print("from the child", flush=True)
+        print("to stderr", file=sys.stderr, flush=True)
+        out.write_text("done")
+
+    assert forked.wait(forked.start(task), timeout=30)
+    assert out.read_text() == "done"
+    captured = capfd.readouterr()
+    assert "from the child" not in captured.out and "to stderr" not in captured.err

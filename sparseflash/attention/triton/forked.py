@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import threading
 import warnings
 from concurrent.futures import Future, TimeoutError
@@ -60,6 +61,9 @@ def start(task: Callable[[], object]) -> Child | None:
         # A collection would walk every object of the parent's heap, writing to each: copying the pages
         # the child shares with the parent. The task is short; what it leaves goes with the child.
         gc.disable()
+        # The parent's streams may be objects that need its threads (a notebook's, sent by a thread of
+        # the kernel); whatever the task would print, the parent reports when it repeats the work.
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (closed by the exit)
         done = b"1"
         try:
             task()
