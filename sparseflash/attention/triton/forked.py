@@ -90,7 +90,8 @@ def _reap(child: Child, read_end: int) -> None:
 
 
 def wait(child: Child, timeout: float) -> bool:
-    """Wait for ``child`` to exit, killing it after ``timeout`` seconds; whether its task returned."""
+    """Wait for ``child``'s task to end, killing the child after ``timeout`` seconds; whether the task
+    returned."""
     try:
         return child.exception(timeout) is None
     except TimeoutError:
