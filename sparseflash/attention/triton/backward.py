@@ -637,6 +637,11 @@ def _stand_in_config(plan: LaunchPlan, fused) -> KernelConfig | None:
     return cfg
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (a batch job's share of a node, where the scheduler pins it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
     """Start compiling the kernels that ``attention_backward`` will launch after a forward on these
     inputs (contiguous outputs and gradients, no gradient of lse; none where a launch tunes first)."""
@@ -656,7 +661,7 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
         cfg = planned(kernel, plan.config_key)
         if cfg is None:
             continue
-        if programs == 0 and not launcher(0)(cfg, BACKWARD.ready) and (os.cpu_count() or 1) >= STAND_IN_FROM_CPUS:
+        if programs == 0 and not launcher(0)(cfg, BACKWARD.ready) and _usable_cpus() >= STAND_IN_FROM_CPUS:
             for _, half in SPLIT:
                 launcher(half)(cfg, BACKWARD.compile_ahead)
             plan.per_layout.setdefault("backward_stand_in", {})["config"] = cfg
