@@ -78,9 +78,9 @@ def launcher(monkeypatch, tmp_path):
     return out
 
 
-def _ahead(launcher, block=32, n=64, flag=True):
+def _ahead(launcher, block=32, n=64):
     launcher.compile_ahead((3, 2), (launch.Standin(torch.float32, (64,)), launcher.y), (n, 0.5),
-                           dict(FLAG=flag, num_warps=4, BLOCK=block))
+                           dict(FLAG=True, num_warps=4, BLOCK=block))
 
 
 def _wait_for_children(launcher):
