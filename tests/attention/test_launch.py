@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -31,6 +32,7 @@ class RecordingKernel:
         self.compiles = compiles
         self.compile_seconds = {}  # BLOCK -> seconds a compile takes (0.2 by default)
         self.failing = set()  # BLOCKs whose compile raises
+        self.triton_seconds = 0.0
         self.device_caches = {0: "binder"}
 
     def warmup(self, *args, grid, **kwargs):
@@ -46,6 +48,7 @@ class RecordingKernel:
 
     def __getitem__(self, grid):
         def through_triton(*args, **kwargs):
+            time.sleep(self.triton_seconds)  # a compile in this process, where no compile ahead served
             self.log.append(("triton", grid, args, kwargs))
             return RecordingCompiled(self.log)
         return through_triton
@@ -190,6 +193,22 @@ def test_a_bound_launch_runs_the_compiled_kernel_on_new_tensors(launcher):
     x2, y2 = torch.randn(64), torch.randn(64)
     bound((x2, y2))
     assert launcher.kernel.log[-1] == ("direct", (3, 2, 1), (x2, y2, 64, 0.5, 32, True))
+
+
+def test_no_fork_while_another_thread_compiles_through_triton(launcher):
+    """A child forked then could inherit a compiler lock that the other thread holds (launch.py)."""
+    launch.triton_key()  # computed once per process: not part of the wait measured below
+    launcher.kernel.triton_seconds = 1.0
+    other = threading.Thread(target=_launch, args=(launcher, torch.randn(64), launcher.y), kwargs=dict(BLOCK=16))
+    other.start()
+    time.sleep(0.2)
+    start = time.perf_counter()
+    _ahead(launcher, 32)
+    waited = time.perf_counter() - start
+    other.join()
+    assert waited >= 0.6, f"forked {waited:.2f} s into the other thread's 1 s compile"
+    _wait_for_children(launcher)
+    assert [ahead["kwargs"]["BLOCK"] for ahead in launcher.kernel.compiled_ahead()] == [32]
 
 
 def test_no_compile_ahead_where_only_scalars_differ_from_a_launch(launcher):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -59,6 +60,12 @@ def cdiv(a: int, b: int) -> int:
 # How long a launch waits for its compile ahead before it kills the child and compiles itself: a compile
 # takes 1-5 s on an H100 host; a child that takes far longer is stuck (forked.py).
 AHEAD_TIMEOUT_SECONDS = 300
+
+# Held by a thread while it compiles through Triton, and while it forks a child to compile: a fork made
+# while another thread is inside Triton's compiler could leave the child a lock (LLVM's, MLIR's) held by
+# a thread that does not exist there, and the child stuck. Launches from several threads are the case:
+# autograd's device threads run the backward's.
+_COMPILING = threading.Lock()
 
 LAUNCH_KEYS_KEPT = 4096  # launch keys a Launcher keeps, the most recent (a key holds every scalar's value)
 
@@ -167,7 +174,8 @@ class Launcher:
             forked.wait(child, AHEAD_TIMEOUT_SECONDS)
         # (those that failed go: their launch compiles through Triton; those that succeeded stay, for ``ready``)
         self._ahead = {k: child for k, child in self._ahead.items() if not child.done() or child.exception() is None}
-        compiled = self.kernel[grid](*tensors, *scalars, **constexprs)
+        with _COMPILING:
+            compiled = self.kernel[grid](*tensors, *scalars, **constexprs)
         names = self.kernel.arg_names[len(tensors) + len(scalars):]
         if len(self._compiled) >= LAUNCH_KEYS_KEPT:  # the oldest goes (a new length each step would grow it
             del self._compiled[next(iter(self._compiled))]  # without end); it costs a launch through Triton
@@ -225,7 +233,8 @@ class Launcher:
             # would build otherwise
             in_child.launcher_cls(compiled.src, compiled.metadata)
 
-        child = forked.start(compile_in_child)
+        with _COMPILING:
+            child = forked.start(compile_in_child)
         if child is not None:
             self._ahead[key] = child
 
