@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from sparseflash.atomic_write import replacing
+
 
 def output_dir(configured: str | os.PathLike | None, fallback: str) -> Path:
     """Where a run writes: ``configured`` where set, else Hydra's output directory when Hydra runs the job,
@@ -86,9 +88,8 @@ def drop_records_after(path: str | os.PathLike, step: int) -> int:
     # a last record cut short by a crash (no newline) goes too: the checkpoint was written before it
     keep = [line for line in lines if line.endswith("\n") and (json.loads(line).get("step") or 0) <= step]
     if len(keep) < len(lines):
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text("".join(keep), encoding="utf-8")
-        os.replace(tmp, path)
+        with replacing(path) as tmp:
+            tmp.write_text("".join(keep), encoding="utf-8")
     return len(lines) - len(keep)
 
 

@@ -9,7 +9,6 @@ one file, atomically; ``load`` puts all of it back, so that a resumed run contin
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sparseflash.atomic_write import replacing
 from sparseflash.data.stream import BatchStream
 from sparseflash.distributed import Dist
 
@@ -129,7 +129,5 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _save_atomic(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        torch.save(obj, tmp)

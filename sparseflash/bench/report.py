@@ -15,6 +15,8 @@ from typing import Iterable
 
 import torch
 
+from sparseflash.atomic_write import replacing
+
 
 def environment(device: torch.device) -> dict:
     """GPU, versions and host, added to every row."""
@@ -55,11 +57,9 @@ def _jsonable(value):
 
 
 def write_jsonl(rows: list[dict], path: str | os.PathLike) -> None:
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps({k: _jsonable(v) for k, v in r.items()}) + "\n")
-    os.replace(tmp, path)
 
 
 def write_csv(rows: list[dict], path: str | os.PathLike) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sparseflash.atomic_write import replacing
 from sparseflash.data.common import SequenceDataset, TaskData, require
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
@@ -130,14 +131,10 @@ def generate(num: int, *, min_length: int = 500, max_length: int = 2000, max_dep
 
 def write_tsv(rows, path: str | os.PathLike) -> None:
     """LRA's file format: header ``Source<TAB>Target``, one example a line. Atomic."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
+    with replacing(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f, delimiter="\t")
         writer.writerow(["Source", "Target"])
         writer.writerows(rows)
-    os.replace(tmp, path)
 
 
 def _ids(expression: bytes) -> np.ndarray:
@@ -192,9 +189,8 @@ def ensure_generated(data_dir: str | os.PathLike, prefix: str, params: dict, siz
     for split in SPLITS:
         write_tsv(rows[start:start + sizes[split]], data_dir / f"{prefix}_{split}.tsv")
         start += sizes[split]
-    tmp = stamp.with_suffix(".tmp")
-    tmp.write_text(json.dumps(want, indent=1))
-    os.replace(tmp, stamp)
+    with replacing(stamp) as tmp:
+        tmp.write_text(json.dumps(want, indent=1))
 
 
 def build(cfg) -> TaskData:

@@ -60,6 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sparseflash.atomic_write import replacing
 from sparseflash.data.common import SequenceDataset, TaskData, require, seeded_split
 
 LAYOUT = """<task.data_dir>/                    (LRA's lra_release/pathfinder32/)
@@ -324,10 +325,8 @@ def load_generated(data_dir: str | os.PathLike, num: int, size: int, seed: int, 
         warnings.warn(f"{path} was made with other parameters; regenerating")
     print(f"generating {num} Pathfinder {size}x{size} images into {path} ...", flush=True)
     images, labels = generate(num, size, seed, **params)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
-    np.savez_compressed(tmp, images=images, labels=labels, params=np.array(meta))
-    os.replace(tmp, path)
+    with replacing(path, suffix=".npz") as tmp:
+        np.savez_compressed(tmp, images=images, labels=labels, params=np.array(meta))
     return images, labels
 
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import math
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -53,6 +52,7 @@ from types import ModuleType
 
 import torch
 
+from sparseflash.atomic_write import replacing
 from sparseflash.attention.triton.launch import cache_root
 from sparseflash.masks.functions import MAX_CAPTURE_DIMS, Graph, Node, of_batch_and_head
 
@@ -369,9 +369,8 @@ def _load_module(source: str) -> ModuleType:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"{name}.py"
             if not path.exists() or path.read_text() != source:
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(source)
-                tmp.replace(path)
+                with replacing(path) as tmp:
+                    tmp.write_text(source)
             break
         except OSError as err:
             path, error = None, err

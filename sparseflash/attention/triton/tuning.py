@@ -50,6 +50,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import triton
 
+from sparseflash.atomic_write import replacing
 from sparseflash.attention.triton.launch import cache_root, cdiv, interpreting
 from sparseflash.timing import interleaved_times
 
@@ -210,12 +211,10 @@ def _load_disk_cache() -> dict[str, dict]:
 def _save_choice(name: str, cfg: KernelConfig) -> None:
     path = _cache_path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         cache = _load_disk_cache()
         cache[name] = asdict(cfg)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        tmp.replace(path)
+        with replacing(path) as tmp:
+            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
     except OSError:
         pass  # a read-only home only costs re-tuning in the next process
 
