@@ -23,9 +23,10 @@ import torch
 
 
 def start() -> threading.Thread | None:
-    """Import Triton and start hashing its compiler on a thread (not a daemon: a process that ends at once
-    waits for it, under a second, rather than killing it mid-hash). None where it does not run: turned
-    off, under the interpreter, with a torch built without CUDA, or without Triton."""
+    """Import Triton and start, on a thread, hashing its compiler and building its C helpers for CUDA (not a
+    daemon: a process that ends at once waits for it, about a second, rather than killing it mid-hash or
+    mid-build). None where it does not run: turned off, under the interpreter, with a torch built without
+    CUDA, or without Triton."""
     if os.environ.get("SPARSEFLASH_WARM_UP", "1") == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return None
     if torch.version.cuda is None:
