@@ -29,7 +29,6 @@ from sparseflash.logging import console_fallback, output_dir
 log = logging.getLogger(__name__)
 
 
-
 class _Progress:
     """tqdm when installed (and progress is on), else one logged line per row."""
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from sparseflash.data.common import SequenceDataset, TaskData, bytes_to_tokens, require
 
-LAYOUT = """<task.data_dir>/                    (LRA's lra_release/tsv_data/)
+EXAMPLE_LINE = '"1.0<TAB>P01-1005<TAB>W04-1013<TAB>text of 1<TAB>text of 2"'
+LAYOUT = f"""<task.data_dir>/                    (LRA's lra_release/tsv_data/)
   new_aan_pairs.train.tsv    no header; tab-separated: label id1 id2 text1 text2
-  new_aan_pairs.eval.tsv     e.g. "1.0<TAB>P01-1005<TAB>W04-1013<TAB>text of 1<TAB>text of 2"
+  new_aan_pairs.eval.tsv     e.g. {EXAMPLE_LINE}
   new_aan_pairs.test.tsv"""
 
 SPLITS = {"train": "train", "val": "eval", "test": "test"}
@@ -39,7 +40,7 @@ def load_tsv(path: Path, max_len: int) -> SequenceDataset:
             labels.append(int(label))
             pairs.append((bytes_to_tokens(cols[3], max_len), bytes_to_tokens(cols[4], max_len)))
     if not pairs:
-        raise ValueError(f"{path} holds no pairs; expected lines {LAYOUT.splitlines()[2].split('e.g. ')[1]}")
+        raise ValueError(f"{path} holds no pairs; expected lines {EXAMPLE_LINE}")
     return SequenceDataset(pairs, labels, pair=True)
 
 

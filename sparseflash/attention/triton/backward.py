@@ -661,7 +661,8 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
         cfg = planned(kernel, plan.config_key)
         if cfg is None:
             continue
-        if programs == 0 and not launcher(0)(cfg, BACKWARD.ready) and _usable_cpus() >= STAND_IN_FROM_CPUS:
+        stand_in = programs == 0 and _usable_cpus() >= STAND_IN_FROM_CPUS
+        if stand_in and not launcher(0)(cfg, BACKWARD.ready):
             for _, half in SPLIT:
                 launcher(half)(cfg, BACKWARD.compile_ahead)
             plan.per_layout.setdefault("backward_stand_in", {})["config"] = cfg

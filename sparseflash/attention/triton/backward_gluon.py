@@ -7,8 +7,9 @@ CAUSAL columns first.
 It walks the query tiles (64 rows at head dim 128, 128 at 64: FlashAttention-4's sizes) that see its keys,
 for each query head of its GQA group in turn. Two consumer warpgroups and a producer:
   producer   (one warp, a warpgroup for SPARSE; 24 registers a thread) loads K and V once (two 64-row
-             halves each), then Q_i, dO_i, lse2_i and delta_i of each query tile by TMA into a ring of STAGES buffers (``q_ready`` / ``q_empty``
-             mbarriers, two arrivals on ``q_empty``, one per consumer).
+             halves each), then Q_i, dO_i, lse2_i and delta_i of each query tile by TMA into a ring of
+             STAGES buffers (``q_ready`` / ``q_empty`` mbarriers, two arrivals on ``q_empty``, one per
+             consumer).
   consumers  two warpgroups, warpgroup w owning keys [64 w, 64 w + 64) of the tile. For each query tile,
              in FlashAttention-4's order:
              S^T = K_w Q^T and dP^T = V_w dO^T (issued together, S^T waited first);
