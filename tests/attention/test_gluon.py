@@ -12,6 +12,8 @@ from sparseflash.attention.triton import backward_gluon, forward_gluon, gluon_to
 from sparseflash.attention.triton.forward_persistent import row_view_rows  # noqa: E402
 from sparseflash.attention.triton.launch import Launcher, Standin, gluon_hopper  # noqa: E402
 from sparseflash.attention.triton.plan import LaunchPlan  # noqa: E402
+from sparseflash import masks  # noqa: E402
+from sparseflash.attention.score_mods import make_score_mod  # noqa: E402
 from sparseflash.masks import from_layout, make  # noqa: E402
 from tests.helpers import check_backend  # noqa: E402
 
@@ -79,6 +81,88 @@ def test_gpu_gluon_kernels_match_reference(pattern, shape, dim, dtype, monkeypat
     launched = _spy_launches(monkeypatch)
     check_backend("triton", q, k, v, mask, do)
     assert all(launched.values()) and all(map(all, launched.values())), f"a Gluon kernel did not run: {launched}"
+
+
+def _with_functions(case: str, seq_len: int, heads: int):
+    """``(mask, score_mod)`` of one case of mask and score functions the Gluon kernels evaluate in their tiles
+    (blocks of 128): mask_mods on the partial blocks (a token window, documents read from a captured tensor at
+    every score, causal written as a function, rows that see no key), score functions of every form
+    (``codegen.py``: linear in the keys, separable with a key table, neither), and a learnable table (the
+    Gluon forward, the Triton backward)."""
+    device = "cuda"
+    if case == "window":
+        return masks.make("sliding_window", seq_len, block=128, window=300, causal=True, device=device), None
+    if case == "documents":
+        return masks.make("document", seq_len, block=128, documents=5, seed=1, device=device), None
+    if case == "causal-as-mask_mod":
+        return masks.from_mask_mod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, seq_len, block=128,
+                                   device=device), None
+    if case == "empty-rows":  # queries 130-299 see no key
+        def hole(b, h, q_idx, kv_idx):
+            return ((q_idx < 130) | (q_idx >= 300)) & ((kv_idx * 7 + q_idx) % 5 != 0)
+        return masks.from_mask_mod(hole, seq_len, block=128, device=device), None
+    if case == "butterfly-and-window":
+        return masks.make("butterfly", seq_len, block=128, device=device) & masks.make(
+            "sliding_window", seq_len, block=128, window=200, causal=True, device=device), None
+    causal = make("causal", seq_len)
+    if case == "alibi":
+        return causal, make_score_mod("alibi", heads).to(device)
+    if case == "alibi-and-key-table":  # separable, not linear in the keys: a load per key
+        slopes, per_key = make_score_mod("alibi", heads).slopes.to(device), torch.randn(seq_len, device=device)
+        return causal, lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx) + per_key[kv_idx]
+    if case == "softcap":
+        return causal, make_score_mod("softcap", heads, cap=5.0)
+    if case == "documents-and-alibi":
+        return (masks.make("document", seq_len, block=128, documents=5, seed=1, device=device),
+                make_score_mod("alibi", heads).to(device))
+    if case == "learnable-bias":
+        bias = make_score_mod("relative_bias", heads, max_distance=64).to(device)
+        with torch.no_grad():
+            bias.table.normal_(0, 0.5)
+        return causal, bias
+    raise ValueError(case)
+
+
+FUNCTION_CASES = ["window", "documents", "causal-as-mask_mod", "empty-rows", "butterfly-and-window", "alibi",
+                  "alibi-and-key-table", "softcap", "documents-and-alibi", "learnable-bias"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim, dtype", [(64, torch.float16), (128, torch.bfloat16)], ids=["d64-fp16", "d128-bf16"])
+@pytest.mark.parametrize("case", FUNCTION_CASES)
+def test_gpu_gluon_kernels_with_functions_match_reference(case, dim, dtype, monkeypatch):
+    """Mask and score functions in the Gluon kernels, against the reference: o, lse, dq, dk, dv (and a learnable
+    table's gradient, which the Triton backward computes), GQA, 1,024 tokens in (B, S, H, D) memory; rows that
+    see no key give 0 and no NaN."""
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    seq_len, heads = 1024, 4
+    q, k, v, do = (torch.randn(2, seq_len, n, dim, dtype=dtype, device="cuda").transpose(1, 2)
+                   for n in (heads, 2, 2, heads))
+    mask, score_mod = _with_functions(case, seq_len, heads)
+    launched = _spy_launches(monkeypatch)
+    got = check_backend("triton", q, k, v, mask, do, score_mod=score_mod)
+    if case == "empty-rows":
+        assert torch.all(got.o[:, :, 130:300] == 0) and torch.all(got.dq[:, :, 130:300] == 0)
+    # (a launch ahead of the call's, to compile, is counted too)
+    assert bool(launched["forward"]) is (case != "softcap") and all(launched["forward"]), launched
+    assert bool(launched["backward"]) is (case != "learnable-bias") and all(launched["backward"]), launched
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_alibi_keeps_precision_far_along_the_sequence(monkeypatch):
+    """ALiBi at 16,384 tokens: its key term reaches slope * 16,384; the Gluon kernels take the scores at a query
+    of each tile (``codegen.py``), so the lse stays within its fp32 bound against the reference."""
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    seq_len, heads = 16384, 2
+    q, k, v, do = (torch.randn(1, heads, seq_len, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    launched = _spy_launches(monkeypatch)
+    check_backend("triton", q, k, v, make("causal", seq_len), do, score_mod=make_score_mod("alibi", heads).cuda(),
+                  dlse=torch.randn(1, heads, seq_len, device="cuda"))
+    assert all(launched["forward"]) and all(launched["backward"]) and all(launched.values()), launched
 
 
 @pytest.mark.gpu
@@ -181,12 +265,14 @@ def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
     ("fp32", False, False), ("d96", False, False), ("d256", False, False), ("q192", False, True),
     ("d64-q192", False, False), ("d64-q384", True, True),
     ("q200", False, False), ("kv300", False, False), ("blocks-64", False, False), ("ragged-last-block", False, False),
-    ("key-lengths", False, False), ("dropout", False, False), ("element-mods", False, False),
+    ("key-lengths", False, False), ("dropout", False, False), ("trained-captures", True, False),
+    ("special-per-score", False, True),
 ], ids=str)
 def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
     """fp16/bf16 of head dim 64 or 128, lengths that the tiles divide (forward: 128 and 128 rows, backward:
     64 queries at head dim 128, 128 at 64, and 128 keys), SPARSE blocks that the tiles divide and that divide
-    the lengths, no key_lengths, dropout, mask_mod or score function (SPARSEFLASH_GLUON=1; the GPU and Triton
+    the lengths, no key_lengths or dropout; the forward no score function that evaluates exp, log, tanh or sqrt
+    per score, the backward none whose captured tensors take gradients (SPARSEFLASH_GLUON=1; the GPU and Triton
     are ``gluon_hopper``'s)."""
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     shapes = dict(fp32=dict(dtype=torch.float32), d96=dict(dim=96), d256=dict(dim=256), q192=dict(q_len=192),
@@ -202,9 +288,9 @@ def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
         mask = make("random", 384, block=256, density=0.5)
     else:
         mask = make("dense", q.shape[2], k.shape[2])
-    flags = dict(has_key_lengths=case == "key-lengths", dropout=case == "dropout", element_mods=case == "element-mods")
-    assert forward_gluon.applies(q, k, mask, 256, **flags) is forward
-    assert backward_gluon.applies(q, k, mask, 256, **flags) is backward
+    flags = dict(has_key_lengths=case == "key-lengths", dropout=case == "dropout")
+    assert forward_gluon.applies(q, k, mask, 256, **flags, special_per_score=case == "special-per-score") is forward
+    assert backward_gluon.applies(q, k, mask, 256, **flags, trains_captures=case == "trained-captures") is backward
 
 
 def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
@@ -254,10 +340,11 @@ def test_a_layout_tma_cannot_read_launches_nothing():
     q = torch.randn(1, 2, 256, 128, 2, dtype=torch.bfloat16)[..., 0]
     assert q.stride(3) == 2
     plan = LaunchPlan.of(q, q, make("dense", 256), False, 128 ** -0.5)
-    assert not forward_gluon.launch(plan, q, q, q, torch.empty_like(q), torch.empty(1, 2, 256))
+    mods = plan.mods_table([])
+    assert not forward_gluon.launch(plan, q, q, q, torch.empty_like(q), torch.empty(1, 2, 256), mods)
     stats = torch.empty(2, 256)
     grads = [torch.empty(q.shape, dtype=q.dtype) for _ in range(3)]
-    assert not backward_gluon.launch(plan, q, q, q, q, stats, stats, *grads, 256)
+    assert not backward_gluon.launch(plan, q, q, q, q, stats, stats, *grads, mods, 256)
 
 
 @pytest.mark.parametrize("case", ["expanded", "pooled", "overlapping-rows", "strided-columns"])
@@ -282,7 +369,7 @@ def test_deterministic_algorithms_keep_the_triton_backward():
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert not backward_gluon.launch(plan, q, q, q, q, stats, stats, *grads, 256)
+        assert not backward_gluon.launch(plan, q, q, q, q, stats, stats, *grads, plan.mods_table([]), 256)
     finally:
         torch.use_deterministic_algorithms(before)
 

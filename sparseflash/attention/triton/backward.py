@@ -603,7 +603,7 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
              if t.requires_grad and t.dtype.is_floating_point else None for t in captures]
     mods = plan.mods_table(list(captures), grads)
-    if plan.gluon_backward and gluon_kernels("backward").launch(plan, q, k, v, do, lse2, delta, dq, dk, dv,
+    if plan.gluon_backward and gluon_kernels("backward").launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods,
                                                                 stats_stride):
         return dq, dk, dv, grads
     dropout_args = plan.dropout_args(dropout)
@@ -649,9 +649,9 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
     out = Standin(q.dtype, q.shape)  # o, do and dq
     stats = Standin(torch.float32, (plan.batch * plan.heads, stats_stride))
     _preprocess(plan, out, out, Standin(torch.float32, q.shape[:3]), None, stats, stats, stats_stride, ahead=True)
-    if plan.gluon_backward and gluon_kernels("backward").compile_ahead(plan, q, k, v, stats, stats_stride):
-        return
     mods = plan.mods_table(list(captures))
+    if plan.gluon_backward and gluon_kernels("backward").compile_ahead(plan, q, k, v, mods, stats, stats_stride):
+        return
 
     def launcher(programs: int):
         return _launcher(plan, programs, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape),

@@ -50,6 +50,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -60,8 +62,9 @@ from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.forward_persistent import row_view_rows
 from sparseflash.attention.triton.gluon_tools import (listed_walk, named_sync, row_view, row_view_coords, tma_load,
                                                       tma_reduce_add, walk_tile_start)
-from sparseflash.attention.triton.launch import Launcher, Standin
+from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import KIND_CODES
+from sparseflash.attention.triton.tiles import key_steps, modded_scores, row_term
 
 BLOCK_M = {128: 64, 64: 128}  # query rows of a streamed tile, by head dim (FlashAttention-4's)
 DQ_ROWS = 64  # query rows of a dQ tile a consumer warpgroup adds
@@ -154,11 +157,11 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_
 
 @gluon.jit
 def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
-              q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+              q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h,
               stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale,
-              scale, WG: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+              scale, WG: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
+              SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end
     (DK, DV: (B, key/value heads, kv_len, HEAD_DIM) contiguous), and its part of each tile's dQ."""
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
@@ -181,13 +184,18 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
     dq_row: gl.constexpr = WG * DQ_ROWS * DQ_BY_ROWS  # the warpgroup's dQ tile within the query tile
     dq_column: gl.constexpr = WG * DQ_COLUMNS * (1 - DQ_BY_ROWS)
     dq_keys = k_smem.slice(dq_column, DQ_COLUMNS, dim=1)
-    offs_kv = kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    kv_first = kv_start + WG * HALF_N
+    offs_kv = kv_first + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     cols_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
     zero_dq = gl.zeros([DQ_ROWS, DQ_COLUMNS], gl.float32, dq_layout)
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     sync = heads  # a value the named barrier passes along, which orders it among the products
+    # the scale of the scores: the products', or 1 where the score function returns base-2 scores
+    soft_scale = qk_scale
+    if SCORE_MOD is not None:
+        soft_scale = 1.0
     n = 0  # query tiles consumed so far: the ring's position
     mbarrier.wait(kv_ready, 0)
     for g in range(groups):
@@ -197,6 +205,7 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
             SPARSE_BLOCK_N)
         bh = b * heads + h
+        keys = key_steps(b, h, (offs_kv - kv_first)[:, None], MODS, SCORE_KEYS)  # 0.0 without a linear key term
         for t in range(n_tiles):
             q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
             stage = n % STAGES
@@ -206,16 +215,29 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
             s_t = warpgroup_mma(my_keys, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dp_t = warpgroup_mma(my_values, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s_t = warpgroup_mma_wait(1, deps=(s_t,))
-            p_t = gl.exp2(s_t * qk_scale - lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
+            q_idx = (q_start + cols_q)[None, :]
+            lse2 = lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))
+            d_score = 1.0
+            if SCORE_MOD is not None:  # base-2 scores at reference query q_start (lse2 is less their row terms)
+                s_t, d_score = modded_scores(s_t, b, h, q_idx, offs_kv[:, None], q_start, kv_first, keys, qk_scale,
+                                             MODS, SCORE_MOD, SCORE_KEYS)
+            p_t = gl.exp2(s_t * soft_scale - lse2[None, :])
             if MASK_KIND == 1:
                 if q_start < kv_start + BLOCK_N:  # the tiles across the diagonal
-                    p_t = gl.where((q_start + cols_q)[None, :] >= offs_kv[:, None], p_t, 0.0)
-            elif IS_CAUSAL:
+                    p_t = gl.where(q_idx >= offs_kv[:, None], p_t, 0.0)
+            elif IS_CAUSAL or MASK_MOD is not None:
                 if t >= n_full:  # the partial blocks
-                    p_t = gl.where((q_start + cols_q)[None, :] >= offs_kv[:, None], p_t, 0.0)
+                    if MASK_MOD is not None:
+                        keep = MASK_MOD(b, h, q_idx, offs_kv[:, None], MODS)
+                        if IS_CAUSAL:
+                            keep = keep & (q_idx >= offs_kv[:, None])
+                    else:
+                        keep = q_idx >= offs_kv[:, None]
+                    p_t = gl.where(keep, p_t, 0.0)
             p_op = gl.convert_layout(p_t.to(q.dtype), a_layout)
             dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
-            ds_t = (p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])).to(q.dtype)
+            ds_t = p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
+            ds_t = (ds_t * d_score).to(q.dtype)  # the score function's derivative (1.0 without one)
             ds_tile = ds_smem.index(n % 2)
             ds_tile.slice(WG * HALF_N, HALF_N).store(ds_t)
             fence_async_shared()
@@ -244,11 +266,12 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
 def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV, FULL_NUM, FULL_IDX,
-                    PART_NUM, PART_IDX, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
-                    stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h,
+                    PART_NUM, PART_IDX, MODS, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h,
                     stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len,
                     stats_stride, qk_scale, scale,
-                    MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+                    MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
+                    SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
                     SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """One program per (batch, key/value head, 128-key tile) (``_program_tile``). q/k/v/do_desc read Q, K, V,
     dO as ``row_view`` matrices, K and V in (64, HEAD_DIM) boxes, Q and dO in (BLOCK_M, HEAD_DIM) ones
@@ -278,15 +301,15 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_de
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem0, kv_ready,
-                     q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b,
+                     q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b,
                      stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
-                     kv_len, qk_scale, scale,
-                     0, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
+                     kv_len, qk_scale, scale, 0, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N,
+                     SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
         (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem1, kv_ready,
-                     q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b,
+                     q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b,
                      stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
-                     kv_len, qk_scale, scale,
-                     1, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
+                     kv_len, qk_scale, scale, 1, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N,
+                     SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
                      k_smem, v_smem, kv_ready, q_ready, q_empty,
                      FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
@@ -299,18 +322,43 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_de
     ], [4, 4 if MASK_KIND == 2 else 1], [240, 24])
 
 
+@triton.jit
+def _lse2_less_rows(LSE2, MODS, heads, q_len, kv_len, stats_stride, SCORE_ROW: tl.constexpr, BLOCK: tl.constexpr,
+                    TILE: tl.constexpr):
+    """lse2 (B * H, stats_stride) less the row terms of a separable score function (``tiles.row_term``) at the
+    reference query of each TILE-row query tile, its first, as the backward's scores are taken: in place, once
+    per call, so that the backward's tiles subtract only lse2."""
+    bh = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ptrs = LSE2 + bh * stats_stride + offs
+    lse2 = tl.load(ptrs, mask=offs < q_len)
+    lse2 -= row_term(bh // heads, bh % heads, offs, offs - offs % TILE, kv_len, MODS, SCORE_ROW)
+    tl.store(ptrs, lse2, mask=offs < q_len)
+
+
 # ---------------------------------------------------------------------------------- when it applies
 def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_lengths: bool, dropout: bool,
-            element_mods: bool) -> bool:
+            trains_captures: bool) -> bool:
     """Whether calls with these inputs and mask take this backward (on a GPU ``launch.gluon_hopper``
-    admits): ``gluon_tools.takes`` them, and with "auto", rows of ``row_keys`` keys on average, at least
-    AUTO_ROW_KEYS. The layouts are checked at launch."""
-    return gluon_tools.chosen(q, k, mask, (BLOCK_M.get(q.shape[3], 64), BLOCK_N), row_keys, AUTO_ROW_KEYS,
-                              has_key_lengths, dropout, element_mods)
+    admits): ``gluon_tools.takes`` them, no tensor a score function captures takes a gradient
+    (``trains_captures``: this kernel computes none), and with "auto", rows of ``row_keys`` keys on average,
+    at least AUTO_ROW_KEYS. The layouts are checked at launch."""
+    return not trains_captures and gluon_tools.chosen(q, k, mask, (BLOCK_M.get(q.shape[3], 64), BLOCK_N), row_keys,
+                                                      AUTO_ROW_KEYS, has_key_lengths, dropout)
 
 
 # ---------------------------------------------------------------------------------- launcher
 BACKWARD_GLUON = Launcher(_attn_bwd_gluon)
+LSE2_LESS_ROWS = Launcher(_lse2_less_rows)
+ROWS_BLOCK = 128  # rows of lse2 a program of _lse2_less_rows takes
+
+
+def _rows_off(plan, lse2, mods: torch.Tensor, stats_stride: int, block_m: int, ahead: bool) -> None:
+    """Take the score function's row terms off ``lse2`` (``_lse2_less_rows``; ``ahead``: only compile)."""
+    (LSE2_LESS_ROWS.compile_ahead if ahead else LSE2_LESS_ROWS)(
+        (cdiv(plan.q_len, ROWS_BLOCK), plan.batch * plan.heads), (lse2, mods),
+        (plan.heads, plan.q_len, plan.kv_len, stats_stride), dict(SCORE_ROW=plan.score_row, BLOCK=ROWS_BLOCK,
+                                                                  TILE=block_m))
 
 
 @functools.lru_cache(maxsize=None)
@@ -336,15 +384,19 @@ def _stats(x: torch.Tensor, block_m: int) -> TensorDescriptor:
 
 
 @functools.lru_cache(maxsize=None)
-def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], head_dim: int) -> dict:
-    return dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, SPARSE_BLOCK_M=sparse_block[0],
-                SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=head_dim, STAGES=STAGES, num_warps=4)
+def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], head_dim: int, mods: tuple) -> dict:
+    mask_mod, score_mod, score_keys = mods
+    return dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, MASK_MOD=mask_mod, SCORE_MOD=score_mod, SCORE_KEYS=score_keys,
+                SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1],
+                HEAD_DIM=head_dim, STAGES=STAGES, num_warps=4)
 
 
-def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, stats_stride: int, ahead: bool = False) -> bool:
+def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods: torch.Tensor, stats_stride: int,
+           ahead: bool = False) -> bool:
     """Compute dq, dk, dv (contiguous) on a problem ``applies`` admits, from ``lse2`` and ``delta`` of the
-    preprocess (``ahead``: only compile, with ``Standin``s for do and all past it: a contiguous do, as the
-    usual loss gives); do is read from a fresh contiguous copy where TMA cannot read its layout. False (nothing
+    preprocess, less the score function's row terms (``_lse2_less_rows``, in place), and the plan's MODS table
+    ``mods`` (``ahead``: only compile, with ``Standin``s for do and all past it: a contiguous do, as the usual loss
+    gives); do is read from a fresh contiguous copy where TMA cannot read its layout. False (nothing
     launched) where TMA cannot read one of q, k, v's layouts, or where torch is asked for deterministic
     algorithms (``torch.use_deterministic_algorithms``): dQ's TMA adds land in any order, so its last bits
     vary from run to run, and the Triton backward's do not."""
@@ -368,10 +420,13 @@ def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, stats_stride: int, ahead:
         _stats(lse2, block_m), _stats(delta, block_m))
     tables, table_strides = plan.tables_of("q")
     arguments = ((plan.batch * plan.kv_heads * (plan.kv_len // BLOCK_N),),
-                 (*descriptors, dq_desc, lse_desc, delta_desc, dk, dv, *tables),
+                 (*descriptors, dq_desc, lse_desc, delta_desc, dk, dv, *tables, mods),
                  (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *table_strides, plan.heads,
                   plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
-                 _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, q.shape[3]))
+                 _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, q.shape[3],
+                             (plan.mask_mod, plan.score_mod, plan.score_keys)))
+    if plan.score_row is not None:
+        _rows_off(plan, lse2, mods, stats_stride, block_m, ahead)
     if ahead:
         BACKWARD_GLUON.compile_ahead(*arguments)
         return True
@@ -380,8 +435,8 @@ def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, stats_stride: int, ahead:
     return True
 
 
-def compile_ahead(plan, q, k, v, stats: Standin, stats_stride: int) -> bool:
+def compile_ahead(plan, q, k, v, mods: torch.Tensor, stats: Standin, stats_stride: int) -> bool:
     """Start compiling the kernel ``launch`` will run after a forward on q, k, v; False where it will not."""
     out = Standin(q.dtype, q.shape)
-    return launch(plan, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape), Standin(v.dtype, v.shape),
+    return launch(plan, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape), Standin(v.dtype, v.shape), mods,
                   stats_stride, ahead=True)

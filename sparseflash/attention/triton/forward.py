@@ -134,9 +134,9 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
     ``plan.key_lengths_arg`` gives it; ``dropout``: a ``Dropout`` where the plan has one, else None."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    if plan.gluon_forward and gluon_kernels("forward").launch(plan, q, k, v, o, lse):
-        return o, lse
     mods = plan.mods_table(list(captures))
+    if plan.gluon_forward and gluon_kernels("forward").launch(plan, q, k, v, o, lse, mods):
+        return o, lse
     dropout_args = plan.dropout_args(dropout)
     name, launch = _kernel(plan)
     run_tuned(name, plan.config_key, lambda cfg: launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, dropout_args))
@@ -146,11 +146,12 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
 def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
     """Start compiling the forward kernels that ``attention_forward`` on these inputs will launch (none
     where that launch tunes first)."""
+    mods = plan.mods_table(list(captures))
     if plan.gluon_forward and gluon_kernels("forward").launch(plan, q, k, v, Standin(q.dtype, q.shape),
-                                                              Standin(torch.float32, q.shape[:3]), ahead=True):
+                                                              Standin(torch.float32, q.shape[:3]), mods, ahead=True):
         return
     name, launch = _kernel(plan)
     cfg = planned(name, plan.config_key)
     if cfg is not None:
         launch(plan, cfg, q, k, v, Standin(q.dtype, q.shape), Standin(torch.float32, q.shape[:3]), key_lengths,
-               plan.mods_table(list(captures)), plan.dropout_args(None, ahead=True), ahead=True)
+               mods, plan.dropout_args(None, ahead=True), ahead=True)

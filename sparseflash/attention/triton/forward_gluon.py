@@ -51,12 +51,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from sparseflash.attention.kept_tensors import made_outside_graph_pools
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.gluon_tools import (listed_walk, named_arrive, named_sync, row_view,
                                                       row_view_coords, tma_load, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
 from sparseflash.attention.triton.plan import KIND_CODES
-from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS
+from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, key_steps, modded_scores, row_term
 from sparseflash.masks import MaskKind
 
 HALF_M = 64  # query rows of a consumer warpgroup
@@ -68,17 +69,47 @@ STAGES = {64: 4, 128: 3}  # K/V buffers by head dim: 3 fill Hopper's shared memo
 # a program: three warpgroups to start and a pipeline to fill for each); the Triton forward's CAUSAL at
 # head dim 128 is weaker (1.07x from 576 keys).
 AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, False): 4096}
+UNEQUAL_ROWS = 1.25  # SPARSE rows whose longest has this many times the mean blocks: one work item a program
 
 
 @gluon.jit
-def _masked(s, t, n_full, offs_m, offs_n, full_idx, part_idx, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr,
-            BLOCK_N: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
-    """Scores s of key tile t with q_idx >= kv_idx applied where the tile is past the unmasked ones
-    (CAUSAL's diagonal, SPARSE's partial blocks)."""
-    if MASK_KIND == 1 or IS_CAUSAL:
-        if t >= n_full:
-            kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
-            s = gl.where(offs_m[:, None] >= (kv_start + offs_n)[None, :], s, float("-inf"))
+def _key_term(b, h, q_start, qk_scale, MODS, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr):
+    """A score function linear in kv_idx (SCORE_KEYS) at reference query q_start, as scalars of a work item:
+    (at, step, scale), its base-2 term at kv_idx = q_start (its float terms of the query alone left out, as
+    ``score_mod`` does), the term's step per key and the products' scale, so that a tile's scores are
+    ``products * scale + (keys + (at + (kv_start - q_start) * step))`` with no load of a captured tensor per
+    tile: the function is evaluated once per item."""
+    at, d_score = SCORE_MOD(0.0, qk_scale, b, h, q_start, q_start, q_start, 0.0, MODS)
+    return at, SCORE_KEYS(b, h, 1, MODS), qk_scale * d_score
+
+
+@gluon.jit
+def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term, qk_scale, MODS,
+            MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
+            SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
+    """The products s of key tile t as the softmax takes them: SCORE_MOD's base-2 scores at reference query
+    q_start (``tiles.modded_scores``, or with SCORE_KEYS the item's ``_key_term``; the products themselves
+    without a score function), then -inf where the tile is past the unmasked ones (CAUSAL's diagonal, SPARSE's
+    partial blocks) and q_idx < kv_idx or MASK_MOD drops the element."""
+    if SCORE_MOD is not None or MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None:
+        kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
+        q_idx = offs_m[:, None]
+        kv_idx = (kv_start + offs_n)[None, :]
+        if SCORE_KEYS is not None:
+            at, step, scale = key_term
+            s = s * scale + (keys + (at + (kv_start - q_start) * step))
+        elif SCORE_MOD is not None:
+            s = modded_scores(s, b, h, q_idx, kv_idx, q_start, kv_start, keys, qk_scale, MODS, SCORE_MOD,
+                              SCORE_KEYS)[0]
+        if MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None:
+            if t >= n_full:
+                if MASK_MOD is not None:
+                    keep = MASK_MOD(b, h, q_idx, kv_idx, MODS)
+                    if IS_CAUSAL:
+                        keep = keep & (q_idx >= kv_idx)
+                else:
+                    keep = q_idx >= kv_idx
+                s = gl.where(keep, s, float("-inf"))
     return s
 
 
@@ -93,17 +124,20 @@ def _safe_max(m, MAY_BE_EMPTY: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m,
+def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_num_b, stride_num_h, stride_num_m,
                stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-               SPARSE_BLOCK_N: gl.constexpr):
+               LONGEST_FIRST: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
     """Work item ``item``, the query tiles of each (batch, head) in turn (CAUSAL: from the last, the
-    longest rows first): its (batch, head) bh, first query q_start, unmasked key tiles n_full, key
-    tiles n_tiles and (SPARSE) the row tables' entries of its mask row."""
+    longest rows first; SPARSE with LONGEST_FIRST: in the order ORDER (B * H * q tiles) lists): its (batch,
+    head) bh, first query q_start, unmasked key tiles n_full, key tiles n_tiles and (SPARSE) the row tables'
+    entries of its mask row."""
     m_tiles = q_len // BLOCK_M
     bh = item // m_tiles
     if MASK_KIND == 1:
         q_start = (m_tiles - 1 - item % m_tiles) * BLOCK_M
+    elif LONGEST_FIRST:
+        q_start = gl.load(ORDER + item) * BLOCK_M
     else:
         q_start = (item % m_tiles) * BLOCK_M
     full_idx = FULL_IDX
@@ -124,12 +158,12 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, strid
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-              FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+              FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
               stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
               heads, groups, q_len, kv_len, n_items, num_programs,
-              MASK_KIND: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-              SPARSE_BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+              MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
+              SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """For each work item: Q's two halves once both consumers are done with the previous Q, then K and
     V of each key tile into the ring's next buffer once both consumers released its previous tile."""
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -137,9 +171,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     i = 0  # work items so far: the phase of q_empty
     for item in range(gl.program_id(0), n_items, num_programs):
         bh, q_start, n_full, n_tiles, full_idx, part_idx = _work_item(
-            item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m, stride_idx_b,
-            stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND, 2 * HALF_M, BLOCK_N, SPARSE_BLOCK_M,
-            SPARSE_BLOCK_N)
+            item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_num_b, stride_num_h, stride_num_m,
+            stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND, LONGEST_FIRST, 2 * HALF_M,
+            BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
         b = bh // heads
         h = bh % heads
         q_row, q_col = row_view_coords(b, h, q_start, stride_qb, stride_qh, stride_qm)
@@ -163,12 +197,13 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
-              FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+              FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS,
               stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
               heads, q_len, kv_len, n_items, num_programs, qk_scale,
-              WG: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-              SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr):
+              WG: gl.constexpr, MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SCORE_ROW: gl.constexpr,
+              BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """For each work item, rows [WG * 64, WG * 64 + 64) of its query tile: the online softmax over the key
     tiles the producer loads, then o (O seen as (rows, HEAD_DIM)) and the lse."""
     HALF_M: gl.constexpr = q_smem.type.shape[1]
@@ -180,7 +215,11 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     MY_TURN: gl.constexpr = 8 + WG
     THEIR_TURN: gl.constexpr = 9 - WG
-    MAY_BE_EMPTY: gl.constexpr = MASK_KIND == 2  # a SPARSE row may see no key
+    MAY_BE_EMPTY: gl.constexpr = MASK_KIND == 2 or SCORE_MOD is not None  # a score function may return -inf
+    # the scale of what _scores returns: the products, or base-2 scores already scaled by the score function
+    soft_scale = qk_scale
+    if SCORE_MOD is not None:
+        soft_scale = 1.0
 
     q = q_smem.index(WG)
     rows_s = WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
@@ -197,23 +236,34 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         turn = named_arrive(8, turn)
     for item in range(gl.program_id(0), n_items, num_programs):
         bh, q_start, n_full, n_tiles, full_idx, part_idx = _work_item(
-            item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m, stride_idx_b,
-            stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND, 2 * HALF_M, BLOCK_N, SPARSE_BLOCK_M,
-            SPARSE_BLOCK_N)
+            item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_num_b, stride_num_h, stride_num_m,
+            stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND, LONGEST_FIRST, 2 * HALF_M,
+            BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
         n_loads = gl.maximum(n_tiles, 1)
         offs_m = q_start + rows_s
+        b = bh // heads
+        h = bh % heads
+        # a key term's steps (linear in kv_idx), a separable function's term of each row that scores taken at
+        # q_start leave out (codegen.py); 0.0 without. Here, where their loads of captured tensors run while the
+        # item's first tiles load: at the end they held up every item
+        keys = key_steps(b, h, offs_n[None, :], MODS, SCORE_KEYS)
+        row = row_term(b, h, offs_m, q_start, kv_len, MODS, SCORE_ROW)
+        key_term = 0.0
+        if SCORE_KEYS is not None:
+            key_term = _key_term(b, h, q_start, qk_scale, MODS, SCORE_MOD, SCORE_KEYS)
         mbarrier.wait(q_ready, i & 1)
         mbarrier.wait(k_ready.index(used % STAGES), (used // STAGES) & 1)
         turn = named_sync(MY_TURN, turn)
         s = warpgroup_mma(q, k_smem.index(used % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         turn = named_arrive(THEIR_TURN, turn)
         s = warpgroup_mma_wait(0, deps=(s,))
-        s = _masked(s, 0, n_full, offs_m, offs_n, full_idx, part_idx, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_N)
+        s = _scores(s, 0, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term, qk_scale, MODS,
+                    MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_N)
         if MAY_BE_EMPTY:
             if n_tiles == 0:  # the producer loaded tile 0 all the same
                 s = gl.full_like(s, float("-inf"))
         m_i = gl.max(s, 1)
-        p = gl.exp2(s * qk_scale - (_safe_max(m_i, MAY_BE_EMPTY) * qk_scale)[:, None])
+        p = gl.exp2(s * soft_scale - (_safe_max(m_i, MAY_BE_EMPTY) * soft_scale)[:, None])
         l_i = gl.sum(p, 1)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
@@ -228,12 +278,12 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             turn = named_arrive(THEIR_TURN, turn)
             s = warpgroup_mma_wait(1, deps=(s,))
-            s = _masked(s, j, n_full, offs_m, offs_n, full_idx, part_idx, MASK_KIND, IS_CAUSAL, BLOCK_N,
-                        SPARSE_BLOCK_N)
+            s = _scores(s, j, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term, qk_scale, MODS,
+                        MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_N)
             m_new = gl.maximum(m_i, gl.max(s, 1))
             m_use = _safe_max(m_new, MAY_BE_EMPTY)
-            alpha = gl.exp2((m_i - m_use) * qk_scale)
-            p = gl.exp2(s * qk_scale - (m_use * qk_scale)[:, None])
+            alpha = gl.exp2((m_i - m_use) * soft_scale)
+            p = gl.exp2(s * soft_scale - (m_use * soft_scale)[:, None])
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
             # the next key tile's wait sits here: its branch keeps ptxas from hoisting the PV wait above the
@@ -259,7 +309,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         o = acc / l_o[:, None]
         out_row = bh * q_len + q_start
         gl.store(O + (out_row + rows_o).to(gl.int64)[:, None] * HEAD_DIM + cols[None, :], o.to(O.dtype.element_ty))
-        lse = (m_i * qk_scale + gl.log2(l_i)) * 0.6931471805599453
+        lse = (m_i * soft_scale + gl.log2(l_i) + row) * 0.6931471805599453
         # the turn value joins the stores, so the named barriers are not dead code
         gl.store(LSE + out_row + rows_s, lse + (turn * 0).to(gl.float32))
         i += 1
@@ -268,13 +318,14 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
 
 
 @gluon.jit(do_not_specialize=[*ROW_LENGTH_ARGS, "n_items"])
-def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                     stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
                     heads, groups, q_len, kv_len, n_items, num_programs, qk_scale,
-                    MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                    SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                    MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
+                    SCORE_ROW: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+                    SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """Work items program_id(0), program_id(0) + num_programs, ... of the n_items (batch, head, query tile)
     (``_work_item``). q/k/v_desc read Q, K, V as ``row_view`` matrices (rows of pitch stride_*m, element
     (b, h, s, 0) at row (b * stride_b + h * stride_h) // pitch + s and column (...) % pitch); O (B, H,
@@ -298,18 +349,20 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
-                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m,
-                     stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale,
-                     0, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
+                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h,
+                     stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items,
+                     num_programs, qk_scale, 0, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD,
+                     SCORE_KEYS, SCORE_ROW, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
-                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_m,
-                     stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale,
-                     1, MASK_KIND, IS_CAUSAL, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
+                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h,
+                     stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items,
+                     num_programs, qk_scale, 1, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD,
+                     SCORE_KEYS, SCORE_ROW, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-                     stride_kn, stride_vb, stride_vh, stride_vn, stride_num_b, stride_num_h, stride_num_m,
+                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_qb, stride_qh, stride_qm, stride_kb,
+                     stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_num_b, stride_num_h, stride_num_m,
                      stride_idx_b, stride_idx_h, stride_idx_m, heads, groups, q_len, kv_len, n_items, num_programs,
-                     MASK_KIND, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, STAGES)),
+                     MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, STAGES)),
     # registers a thread: the consumers' tiles take 240, the producer's loads 24. The producer is one warp, as
     # FlashAttention-4's (whose other three exit): four spun on the same mbarriers, 8 % of the instructions
     # issued, and took issue slots from the consumers (one warp: 0.99-1.05x on an H100, most at hd64)
@@ -318,14 +371,17 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM
 
 # ---------------------------------------------------------------------------------- when it applies
 def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_lengths: bool, dropout: bool,
-            element_mods: bool) -> bool:
+            special_per_score: bool) -> bool:
     """Whether calls with these inputs and mask take this forward (on a GPU ``launch.gluon_hopper``
-    admits): ``gluon_tools.takes`` them, and with "auto", rows of ``row_keys`` keys on average, at least
+    admits): ``gluon_tools.takes`` them, the score function (if any) evaluates no exp, log, tanh or sqrt
+    per score (``special_per_score``: one that is not separable; tanh soft-capping ran 0.71x the Triton
+    forward at S=4096 on an H100, its exp and division beside the softmax's exp2 on the special-function
+    units of warpgroups that take turns), and with "auto", rows of ``row_keys`` keys on average, at least
     AUTO_ROW_KEYS's. The layout of each call's tensors is checked at launch. A plan keeps the answer:
     SPARSEFLASH_GLUON set later changes the plans made after it."""
-    return gluon_tools.chosen(q, k, mask, (BLOCK_M, BLOCK_N), row_keys,
-                              AUTO_ROW_KEYS.get((q.shape[3], mask.kind is MaskKind.CAUSAL), math.inf),
-                              has_key_lengths, dropout, element_mods)
+    return not special_per_score and gluon_tools.chosen(
+        q, k, mask, (BLOCK_M, BLOCK_N), row_keys, AUTO_ROW_KEYS.get((q.shape[3], mask.kind is MaskKind.CAUSAL),
+                                                                    math.inf), has_key_lengths, dropout)
 
 
 # ---------------------------------------------------------------------------------- launcher
@@ -333,26 +389,59 @@ FORWARD_GLUON = Launcher(_attn_fwd_gluon)
 
 
 @functools.lru_cache(maxsize=None)
-def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], head_dim: int) -> dict:
-    return dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, BLOCK_N=BLOCK_N, SPARSE_BLOCK_M=sparse_block[0],
-                SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=head_dim, STAGES=STAGES[head_dim], num_warps=4)
+def _constexprs(mask_kind: int, longest_first: bool, causal: bool, sparse_block: tuple[int, int], head_dim: int,
+                mods: tuple) -> dict:
+    mask_mod, score_mod, score_keys, score_row = mods
+    return dict(MASK_KIND=mask_kind, LONGEST_FIRST=longest_first, IS_CAUSAL=causal, MASK_MOD=mask_mod,
+                SCORE_MOD=score_mod, SCORE_KEYS=score_keys, SCORE_ROW=score_row, BLOCK_N=BLOCK_N,
+                SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=head_dim,
+                STAGES=STAGES[head_dim], num_warps=4)
 
 
-def launch(plan, q, k, v, o, lse, ahead: bool = False) -> bool:
+def launch(plan, q, k, v, o, lse, mods: torch.Tensor, ahead: bool = False) -> bool:
     """Launch the forward on a problem ``applies`` admits (o and lse contiguous, or ``Standin``s with
-    ``ahead``: only compile); False (nothing launched) where TMA cannot read one of q, k, v's layouts."""
+    ``ahead``: only compile; mods: the plan's MODS table of the captured tensors); False (nothing launched)
+    where TMA cannot read one of q, k, v's layouts."""
     rows = gluon_tools.layout_rows(plan.per_layout.setdefault("gluon", {}), (q, k, v))
     if None in rows:
         return False
     descriptors = (row_view(q, rows[0], HALF_M), row_view(k, rows[1], BLOCK_N), row_view(v, rows[2], BLOCK_N))
     tables, table_strides = plan.tables_of("kv")
     n_items = plan.batch * plan.heads * (plan.q_len // BLOCK_M)
-    # CAUSAL: one work item a program, the GPU handing out the next as a program ends. Items dealt out in
-    # turn left programs of only long rows beside programs of only short ones (0.72x at S=16384 on an H200)
-    programs = n_items if plan.kind is MaskKind.CAUSAL else min(n_items, multiprocessors(q.device))
-    arguments = ((programs,), (*descriptors, o, lse, *tables),
+    order = _longest_first(plan)
+    # CAUSAL, and SPARSE rows of unequal lengths: one work item a program, the longest rows first, the GPU handing
+    # out the next as a program ends. Items dealt out in turn left programs of only long rows beside programs of
+    # only short ones (CAUSAL: 0.72x at S=16384 on an H200)
+    one_a_program = plan.kind is MaskKind.CAUSAL or order is not None
+    programs = n_items if one_a_program else min(n_items, multiprocessors(q.device))
+    arguments = ((programs,), (*descriptors, o, lse, *tables, plan.placeholder if order is None else order, mods),
                  (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *table_strides, plan.heads, plan.groups,
                   plan.q_len, plan.kv_len, n_items, programs, plan.qk_scale),
-                 _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, q.shape[3]))
+                 _constexprs(KIND_CODES[plan.kind], order is not None, plan.causal, plan.sparse_block, q.shape[3],
+                             (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row)))
     (FORWARD_GLUON.compile_ahead if ahead else FORWARD_GLUON)(*arguments)
     return True
+
+
+def _longest_first(plan) -> torch.Tensor | None:
+    """For a SPARSE mask whose longest row of blocks is over UNEQUAL_ROWS times the mean: the query tiles of each
+    (batch, head) from the longest row to the shortest (int32, B * H * q_len / BLOCK_M, contiguous: the tiles of
+    work item i at entry i), else None. Kept in the plan."""
+    kept = plan.per_layout.setdefault("gluon_order", {})
+    if "order" not in kept:
+        kept["order"] = made_outside_graph_pools(lambda: _order(plan), plan.placeholder.device)
+    return kept["order"]
+
+
+def _order(plan) -> torch.Tensor | None:
+    if plan.kind is not MaskKind.SPARSE:
+        return None
+    full_num, _, part_num, _ = plan.tables_of("kv")[0]
+    blocks = (full_num + part_num).float()  # (heads or batch, heads, rows) of the layout
+    if blocks.amax().item() <= UNEQUAL_ROWS * blocks.mean().item():
+        return None
+    tiles = blocks.repeat_interleave(plan.sparse_block[0] // BLOCK_M, dim=-1)[..., :plan.q_len // BLOCK_M]
+    order = torch.argsort(tiles, dim=-1, descending=True, stable=True).to(torch.int32)
+    while order.dim() < 3:
+        order = order.unsqueeze(0)
+    return order.expand(plan.batch, plan.heads, -1).contiguous()

@@ -62,16 +62,18 @@ class LaunchPlan:
         self.layout_heads = mask.num_heads if mask.kind is MaskKind.SPARSE else 1  # 1: shared by the heads
         # fp32 inputs use TF32 tensor-core dots on the GPU (exact IEEE in the interpreter)
         self.dot_precision = "tf32" if q.dtype is torch.float32 and not interpreting() else "ieee"
-        self._placeholder = torch.empty(1, dtype=torch.int32, device=q.device)  # for absent tensors
+        self.placeholder = torch.empty(1, dtype=torch.int32, device=q.device)  # for absent tensors
         self._mods(mask, score_graph)
         # loads of captured tensors at per-score addresses fail Triton 3.6's warp-specialisation pass;
         # the persistent forward has no dropout
         persistent = "" if dropout or self._loads_per_score(mask, score_graph) else forward_persistent.mode(
             q, k, mask, has_key_lengths, self.padded_dim)
-        element_mods = self.mask_mod is not None or self.score_mod is not None
-        gluon_inputs = (q, k, mask, self.mean_row_keys, has_key_lengths, dropout, element_mods)
-        self.gluon_forward = gluon_hopper(q.device) and gluon_kernels("forward").applies(*gluon_inputs)
-        self.gluon_backward = gluon_hopper(q.device) and gluon_kernels("backward").applies(*gluon_inputs)
+        gluon_inputs = (q, k, mask, self.mean_row_keys, has_key_lengths, dropout)
+        special_per_score = score_graph is not None and score_graph.uses_special_functions and not score_graph.separable
+        self.gluon_forward = gluon_hopper(q.device) and gluon_kernels("forward").applies(*gluon_inputs,
+                                                                                          special_per_score)
+        self.gluon_backward = gluon_hopper(q.device) and gluon_kernels("backward").applies(
+            *gluon_inputs, self.score_mod_grads is not None)
         score = "score-special" if score_graph is not None and score_graph.uses_special_functions else "score"
         mods = "+".join(name for name, on in (("mask", self.mask_mod is not None),
                                               (score, self.score_mod is not None), ("dropout", dropout)) if on)
@@ -102,7 +104,7 @@ class LaunchPlan:
         self.score_row = helpers.score_row if helpers else None
         self.score_mod_grads = helpers.score_mod_grads if helpers else None
         # the table without captured tensors made with the plan (on the thread that keeps it out of graph pools)
-        self._mods_tables: dict[tuple, torch.Tensor] = {(): codegen.mods_table([], [], self._placeholder.device)}
+        self._mods_tables: dict[tuple, torch.Tensor] = {(): codegen.mods_table([], [], self.placeholder.device)}
 
     @staticmethod
     def _loads_per_score(mask: BlockMask, score_graph: Graph | None) -> bool:
@@ -114,7 +116,7 @@ class LaunchPlan:
         """The tensors the generated helpers read, in MODS order: the mask_mod's, then the score
         function's (of this call's trace), each checked to be on the inputs' device."""
         captures = self.mask_captures + (list(score_graph.captures) if score_graph is not None else [])
-        device = self._placeholder.device
+        device = self.placeholder.device
         for t in captures:
             if t.device != device:
                 raise ValueError(f"a tensor captured by a mask or score function is on {t.device}; the inputs "
@@ -125,28 +127,28 @@ class LaunchPlan:
         """The MODS table of the captured tensors (and their gradient buffers), kept per layout when
         there are no gradient buffers."""
         if grads is not None and any(g is not None for g in grads):
-            return codegen.mods_table(captures, grads, self._placeholder.device)
+            return codegen.mods_table(captures, grads, self.placeholder.device)
         layout = tuple((t.data_ptr(), t.stride()) for t in captures)
         if layout not in self._mods_tables:
             if len(self._mods_tables) >= MODS_TABLES_KEPT:  # the oldest goes
                 del self._mods_tables[next(iter(self._mods_tables))]
             self._mods_tables[layout] = made_outside_graph_pools(
-                lambda: codegen.mods_table(captures, [None] * len(captures), self._placeholder.device),
-                self._placeholder.device)
+                lambda: codegen.mods_table(captures, [None] * len(captures), self.placeholder.device),
+                self.placeholder.device)
         return self._mods_tables[layout]
 
     def dropout_args(self, dropout: Dropout | None, ahead: bool = False) -> tuple:
         """The kernels' dropout arguments: the seed tensor (a placeholder without dropout; a ``Standin``
         with ``ahead``), the threshold and the scale of the kept probabilities."""
         if not self.dropout:
-            return self._placeholder, 0, 1.0
+            return self.placeholder, 0, 1.0
         if ahead:
             return Standin(torch.int64, ()), 0, 1.0
         return dropout.seed, dropout.threshold, dropout.scale
 
     def key_lengths_arg(self, key_lengths: torch.Tensor | None) -> torch.Tensor:
         """``key_lengths`` as the kernels read it (int32), or a placeholder (HAS_KEY_LENGTHS is off)."""
-        return self._placeholder if key_lengths is None else key_lengths.to(torch.int32).contiguous()
+        return self.placeholder if key_lengths is None else key_lengths.to(torch.int32).contiguous()
 
     def tables_of(self, side: str) -> tuple[tuple, tuple]:
         """``side`` "kv" (row tables), "q" (column tables) or, for a SPARSE mask with partial tiles,
@@ -157,7 +159,7 @@ class LaunchPlan:
 
     def _tables_of(self, tables, side: str) -> tuple[tuple, tuple]:
         if tables is None:  # DENSE and CAUSAL kernels read no table
-            return (self._placeholder,) * 4, (0,) * 6
+            return (self.placeholder,) * 4, (0,) * 6
         full_num, full_idx = getattr(tables, f"full_{side}_num_blocks"), getattr(tables, f"full_{side}_indices")
         part_num, part_idx = getattr(tables, f"partial_{side}_num_blocks"), getattr(tables, f"partial_{side}_indices")
         return (full_num, full_idx, part_num, part_idx), (*_strides(full_num, 1), *_strides(full_idx, 2))
