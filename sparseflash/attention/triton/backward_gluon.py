@@ -31,8 +31,10 @@ wgmma).
 Constexpr flags:
   MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): query tiles 0.., those from the key tile's
                  first key on, or those of the blocks listed in the column tables (FULL_*, then PART_*).
-  IS_CAUSAL      SPARSE only: the partial blocks are cut by q_idx >= kv_idx (top-left alignment), the only
-                 element mask this kernel applies.
+  IS_CAUSAL      SPARSE only: the partial blocks are cut by q_idx >= kv_idx (top-left alignment).
+  MASK_MOD, SCORE_MOD, SCORE_KEYS  the generated helpers (codegen.py) as in backward.py, or None: MASK_MOD
+                 cuts the partial blocks too; dS is scaled by SCORE_MOD's derivative. A separable function's
+                 row terms are off lse2 before the kernel starts (``_lse2_less_rows``).
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
   HEAD_DIM       64 or 128.
   STAGES         Q/dO buffers.
@@ -41,8 +43,9 @@ Scores in base 2 as in backward.py: p = exp2(s * qk_scale - lse2) with lse2 = ls
 preprocess (+inf for a row that saw no key: p = 0); dK = scale * sum dS^T Q, dQ = scale * sum dS K.
 
 Applies (``applies``) on Hopper with Triton >= 3.6 where ``gluon_tools.takes`` the inputs (query tiles of
-``BLOCK_M``, key tiles of 128) and the layouts TMA can read; ``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS``
-keys or more on average, "1" wherever it applies, "0" never.
+``BLOCK_M``, key tiles of 128), no captured tensor takes a gradient, and the layouts TMA can read;
+``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS`` keys or more on average, "1" wherever it applies,
+"0" never.
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ a program, the GPU handing out the next as one ends. Two warpgroups and a warp:
 Constexpr flags:
   MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): tiles 0.. of every key, of the keys up to
                  the tile's last row, or of the blocks listed in the row tables (FULL_*, then PART_*).
-  IS_CAUSAL      SPARSE only: the partial blocks are cut by q_idx >= kv_idx (top-left alignment), the only
-                 element mask this kernel applies (no mask_mod, no score function).
+  LONGEST_FIRST  SPARSE only: one work item a program, in the order of ORDER (``_longest_first``).
+  IS_CAUSAL      SPARSE only: the partial blocks are cut by q_idx >= kv_idx (top-left alignment).
+  MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW  the generated helpers (codegen.py) as in forward.py, or None:
+                 MASK_MOD cuts the partial blocks too; a score function gives the tiles' base-2 scores.
   BLOCK_N        key rows of a tile (128); the query tile is 2 x 64 rows.
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
   HEAD_DIM       64 or 128, the real head dim (no padding).
@@ -28,15 +30,17 @@ Constexpr flags:
                  tile j-1, so that the wait's branch sits between the softmax and the wait for PV_{j-1}:
                  without one, ptxas hoists that wait above the softmax).
 
-Scores in base 2 as in forward.py: s * qk_scale with qk_scale = scale * log2(e); lse = (m + log2 l) ln 2;
-a row that sees no key (SPARSE: the softmax guards m = -inf and l = 0) stores o = 0, lse = -inf. A row
+Scores in base 2 as in forward.py: s * qk_scale with qk_scale = scale * log2(e) (SCORE_MOD's scores as they
+are); lse = (m + log2 l + row term) ln 2; a row that sees no key (SPARSE, or a score function's -inf: the
+softmax guards m = -inf and l = 0) stores o = 0, lse = -inf. A row
 of no tile still gets one: the producer loads the first tile its walk would take (for SPARSE the block
 at its table's first entry, a padding entry) and the consumers mask all of it, so that every loop has a
 first tile to peel.
 
 Applies (``applies``) on Hopper (capability 9.x) with Triton >= 3.6 to fp16/bf16 inputs of head dim 64
 or 128, lengths that 128 divides, SPARSE blocks that 128 divides and that divide the lengths, no
-key_lengths, dropout, mask_mod or score function, and layouts TMA can read (``forward_persistent.row_view_rows``).
+key_lengths or dropout, no score function that evaluates exp, log, tanh or sqrt per score, and layouts TMA
+can read (``forward_persistent.row_view_rows``).
 ``SPARSEFLASH_GLUON``: "auto" (default) where it was measured faster than the Triton forward (rows of
 ``AUTO_ROW_KEYS`` keys or more on average), "1" wherever it applies, "0" never.
 """
