@@ -91,17 +91,21 @@ def _key_term(b, h, q_start, qk_scale, MODS, SCORE_MOD: gl.constexpr, SCORE_KEYS
 def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term, qk_scale, MODS,
             MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
             SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
-    """The products s of key tile t as the softmax takes them: SCORE_MOD's base-2 scores at reference query
-    q_start (``tiles.modded_scores``, or with SCORE_KEYS the item's ``_key_term``; the products themselves
-    without a score function), then -inf where the tile is past the unmasked ones (CAUSAL's diagonal, SPARSE's
-    partial blocks) and q_idx < kv_idx or MASK_MOD drops the element."""
+    """(scores, shift): the products s of key tile t as the softmax takes them: SCORE_MOD's base-2 scores at
+    reference query q_start (``tiles.modded_scores``; the products themselves without a score function), then
+    -inf where the tile is past the unmasked ones (CAUSAL's diagonal, SPARSE's partial blocks) and q_idx <
+    kv_idx or MASK_MOD drops the element. With SCORE_KEYS the scores less the key term's value at the tile's
+    first key, ``shift`` (the item's ``_key_term``), which the softmax adds to the rows' max instead: a
+    vector add per tile less; shift is 0.0 otherwise."""
+    shift = 0.0
     if SCORE_MOD is not None or MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None:
         kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
         q_idx = offs_m[:, None]
         kv_idx = (kv_start + offs_n)[None, :]
         if SCORE_KEYS is not None:
             at, step, scale = key_term
-            s = s * scale + (keys + (at + (kv_start - q_start) * step))
+            s = s * scale + keys
+            shift = at + (kv_start - q_start) * step
         elif SCORE_MOD is not None:
             s = modded_scores(s, b, h, q_idx, kv_idx, q_start, kv_start, keys, qk_scale, MODS, SCORE_MOD,
                               SCORE_KEYS)[0]
@@ -114,7 +118,16 @@ def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, key
                 else:
                     keep = q_idx >= kv_idx
                 s = gl.where(keep, s, float("-inf"))
-    return s
+    return s, shift
+
+
+@gluon.jit
+def _tile_max(s, shift, SHIFTED: gl.constexpr):
+    """The row max of a tile's scores ``s + shift`` (``_scores``)."""
+    if SHIFTED:
+        return gl.max(s, 1) + shift
+    else:
+        return gl.max(s, 1)
 
 
 @gluon.jit
@@ -261,13 +274,13 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         s = warpgroup_mma(q, k_smem.index(used % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         turn = named_arrive(THEIR_TURN, turn)
         s = warpgroup_mma_wait(0, deps=(s,))
-        s = _scores(s, 0, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term, qk_scale, MODS,
-                    MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_N)
+        s, shift = _scores(s, 0, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term, qk_scale,
+                           MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_N)
         if MAY_BE_EMPTY:
             if n_tiles == 0:  # the producer loaded tile 0 all the same
                 s = gl.full_like(s, float("-inf"))
-        m_i = gl.max(s, 1)
-        p = gl.exp2(s * soft_scale - (_safe_max(m_i, MAY_BE_EMPTY) * soft_scale)[:, None])
+        m_i = _tile_max(s, shift, SCORE_KEYS is not None)
+        p = gl.exp2(s * soft_scale - (_safe_max(m_i, MAY_BE_EMPTY) * soft_scale - shift)[:, None])
         l_i = gl.sum(p, 1)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
@@ -282,12 +295,13 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             turn = named_arrive(THEIR_TURN, turn)
             s = warpgroup_mma_wait(1, deps=(s,))
-            s = _scores(s, j, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term, qk_scale, MODS,
-                        MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_N)
-            m_new = gl.maximum(m_i, gl.max(s, 1))
+            s, shift = _scores(s, j, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term,
+                               qk_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N,
+                               SPARSE_BLOCK_N)
+            m_new = gl.maximum(m_i, _tile_max(s, shift, SCORE_KEYS is not None))
             m_use = _safe_max(m_new, MAY_BE_EMPTY)
             alpha = gl.exp2((m_i - m_use) * soft_scale)
-            p = gl.exp2(s * soft_scale - (m_use * soft_scale)[:, None])
+            p = gl.exp2(s * soft_scale - (m_use * soft_scale - shift)[:, None])
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
             # the next key tile's wait sits here: its branch keeps ptxas from hoisting the PV wait above the
