@@ -3,6 +3,11 @@ GPU (``pytest -m gpu``), their outputs and gradients against the reference."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +20,7 @@ from sparseflash.attention.triton.plan import LaunchPlan  # noqa: E402
 from sparseflash import masks  # noqa: E402
 from sparseflash.attention.score_mods import make_score_mod  # noqa: E402
 from sparseflash.masks import from_layout, make  # noqa: E402
+from tests.attention import sm90_compile  # noqa: E402
 from tests.helpers import check_backend  # noqa: E402
 
 
@@ -324,6 +330,20 @@ def test_gluon_backward_auto_takes_rows_of_many_keys(monkeypatch):
     assert backward_gluon.applies(*_plan_inputs(dim=64), mask, 256, False, False, False)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "0")
     assert not backward_gluon.applies(*_plan_inputs(), mask, many, False, False, False)
+
+
+def test_the_gluon_kernels_compile_for_hopper_without_a_gpu(tmp_path):
+    """Each case of ``sm90_compile.cases`` (forward and backward, head dims 64 and 128, causal, ALiBi,
+    soft-capping, a document mask_mod with rows of unequal lengths) compiles through ptxas for sm_90a from the
+    arguments its ``launch`` builds, in a child process without the interpreter: what a run without a GPU can
+    check of kernels it cannot run (an argument the kernel does not take, a name it does not define, a helper
+    Gluon cannot compile)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "SPARSEFLASH_CACHE_DIR": str(tmp_path / "sparseflash")}
+    result = subprocess.run([sys.executable, "-m", "tests.attention.sm90_compile"], cwd=Path(__file__).parents[2],
+                            env=env, capture_output=True, text=True, timeout=900)
+    compiled = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("compiled ")}
+    assert result.returncode == 0 and compiled == set(sm90_compile.cases()), result.stderr[-4000:]
 
 
 def test_no_gluon_kernels_off_a_gpu(monkeypatch):

@@ -1,0 +1,120 @@
+"""Compile the Gluon kernels for Hopper (sm_90a) on a machine without a GPU: ``python -m tests.attention.sm90_compile``
+(with TRITON_INTERPRET unset) prints ``compiled <case>`` for each case it compiled, through ptxas to a cubin.
+
+Triton's front end, its passes and ptxas need no GPU; only its driver asks CUDA for the device, stream and
+target. ``Sm90Driver`` answers for them, and the Gluon kernels' own ``launch`` functions build every argument
+from CPU tensors (their plans, descriptors, tables and MODS) and hand them to a ``CompileOnly`` launcher in
+place of the kernel's: the arguments a GPU run passes, compiled there. test_gluon.py runs it in a child
+process, since the interpreter a CPU test run sets (TRITON_INTERPRET) is read when kernels are defined.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+from sparseflash import masks
+from sparseflash.attention.score_mods import make_score_mod
+from sparseflash.attention.triton import backward_gluon, forward_gluon
+from sparseflash.attention.triton.plan import LaunchPlan
+from sparseflash.masks.functions import trace
+
+SEQ_LEN, HEADS = 512, 4
+
+
+class Sm90Driver:
+    """Triton's driver as far as compiling for an H100 needs it: device 0, stream 0, target sm_90a."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        from triton.backends.nvidia.driver import ty_to_cpp
+        return ty_to_cpp(ty)
+
+
+class CompileOnly:
+    """A ``Launcher`` stand-in that compiles the kernel for the arguments of a launch and keeps what it compiled."""
+
+    def __init__(self, kernel):
+        self.kernel, self.compiled = kernel, []
+
+    def __call__(self, grid, tensors, scalars, constexprs) -> None:
+        self.compiled.append(self.kernel.warmup(*tensors, *scalars, grid=grid, **constexprs))
+
+    compile_ahead = __call__
+
+
+def _documents(b, h, q_idx, kv_idx):
+    return DOCUMENT_IDS[q_idx] == DOCUMENT_IDS[kv_idx]
+
+
+DOCUMENT_IDS = torch.arange(SEQ_LEN) // 200  # documents of 200 tokens: rows of unequal lengths
+
+
+def cases() -> dict:
+    """name -> (direction, head dim, mask, score function)."""
+    causal = masks.make("causal", SEQ_LEN)
+    documents = masks.from_mask_mod(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & _documents(b, h, q_idx, kv_idx),
+                                    SEQ_LEN, block=128)
+    alibi, softcap = make_score_mod("alibi", HEADS), make_score_mod("softcap", HEADS, cap=5.0)
+    return {
+        "forward-d128-causal": ("forward", 128, causal, None),
+        "forward-d128-alibi": ("forward", 128, causal, alibi),
+        "forward-d128-documents": ("forward", 128, documents, None),
+        "forward-d64-alibi": ("forward", 64, causal, alibi),
+        "forward-d64-documents": ("forward", 64, documents, None),
+        "backward-d128-causal": ("backward", 128, causal, None),
+        "backward-d128-alibi": ("backward", 128, causal, alibi),
+        "backward-d128-softcap": ("backward", 128, causal, softcap),
+        "backward-d128-documents": ("backward", 128, documents, None),
+        "backward-d64-alibi": ("backward", 64, causal, alibi),
+        "backward-d64-documents": ("backward", 64, documents, None),
+    }
+
+
+def compile_case(direction: str, dim: int, mask, score_mod) -> list:
+    """The kernels ``launch`` of ``direction`` compiles for (2, HEADS, SEQ_LEN, dim) bf16 inputs."""
+    q = torch.randn(2, HEADS, SEQ_LEN, dim, dtype=torch.bfloat16)
+    score_graph = trace(score_mod, "score_mod") if score_mod is not None else None
+    plan = LaunchPlan(q, q, mask, False, dim ** -0.5, score_graph)
+    mods = plan.mods_table(plan.captures(score_graph))
+    module = forward_gluon if direction == "forward" else backward_gluon
+    launchers = {"forward": ["FORWARD_GLUON"], "backward": ["BACKWARD_GLUON", "LSE2_LESS_ROWS"]}[direction]
+    stand_ins = {name: CompileOnly(getattr(module, name).kernel) for name in launchers}
+    originals = {name: getattr(module, name) for name in launchers}
+    for name, stand_in in stand_ins.items():
+        setattr(module, name, stand_in)
+    try:
+        if direction == "forward":
+            assert module.launch(plan, q, q, q, torch.empty_like(q), torch.empty(q.shape[:3]), mods)
+        else:
+            stats = torch.zeros(2 * HEADS, SEQ_LEN)
+            grads = [torch.empty_like(q) for _ in range(3)]
+            assert module.launch(plan, q, q, q, q, stats, stats, *grads, mods, SEQ_LEN)
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
+    return [kernel for stand_in in stand_ins.values() for kernel in stand_in.compiled]
+
+
+def main() -> None:
+    driver.set_active(Sm90Driver())
+    for name, case in cases().items():
+        compiled = compile_case(*case)
+        assert compiled and all(kernel.asm["cubin"] for kernel in compiled), name
+        print("compiled", name, flush=True)
+
+
+if __name__ == "__main__":
+    main()
