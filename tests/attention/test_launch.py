@@ -302,14 +302,74 @@ def test_the_fused_backwards_halves_stand_in_for_it_until_it_is_compiled():
     assert backward._stand_in_config(SimpleNamespace(per_layout={}), fused) is None and asked == []
 
 
+def test_the_triton_forward_stands_in_for_the_gluon_forward_until_it_is_compiled(monkeypatch):
+    from sparseflash.attention.triton import forward, forward_gluon
+
+    compiled, asked = [False], []
+
+    def ready(plan, *arguments):
+        asked.append(arguments)
+        return compiled[0]
+
+    monkeypatch.setattr(forward_gluon, "ready", ready)
+    plan = SimpleNamespace(per_layout={"forward_stand_in": {"on": True}})
+    arguments = ("q", "k", "v", "o", "lse", "mods")
+    assert forward._triton_stands_in(plan, *arguments) and asked == [arguments]
+    compiled[0] = True
+    assert not forward._triton_stands_in(plan, *arguments)
+    assert plan.per_layout["forward_stand_in"] == {}  # ended for every layout: later calls ask nothing
+    asked.clear()
+    assert not forward._triton_stands_in(plan, *arguments) and asked == []
+    assert not forward._triton_stands_in(SimpleNamespace(per_layout={}), *arguments) and asked == []
+
+
+@pytest.mark.gpu
+def test_a_first_forward_runs_the_triton_kernel_while_the_gluon_forward_compiles(monkeypatch):
+    """A new score function on causal rows the Gluon forward takes: the first call's forward runs the Triton
+    kernel, compiled ahead beside the Gluon one; a later call the Gluon forward; every output against the
+    reference."""
+    import sparseflash
+    from sparseflash.attention.triton import forward_gluon
+    from sparseflash.attention.triton.launch import gluon_hopper
+    from tests.helpers import assert_close
+
+    if not gluon_hopper(torch.device("cuda")) or launch.usable_cpus() < launch.STAND_IN_FROM_CPUS:
+        pytest.skip(f"the Triton forward stands in on Hopper hosts of {launch.STAND_IN_FROM_CPUS} CPUs or more")
+    monkeypatch.delenv("SPARSEFLASH_GLUON", raising=False)
+    launched = []
+
+    def spied(*args, _original=forward_gluon.launch, **kwargs):
+        if not kwargs.get("ahead"):
+            launched.append(_original(*args, **kwargs))
+            return launched[-1]
+        return _original(*args, **kwargs)
+
+    monkeypatch.setattr(forward_gluon, "launch", spied)
+    score_mod = _new_score_mod()
+    q, k, v = (torch.randn(2, 4, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    expected = sparseflash.attention(q.float(), k.float(), v.float(), "causal", score_mod=score_mod,
+                                     backend="reference")
+    calls, deadline = 0, time.monotonic() + 120
+    while not launched and time.monotonic() < deadline:  # the first call, then until the Gluon forward takes over
+        assert_close(sparseflash.attention(q, k, v, "causal", score_mod=score_mod).float(), expected, 2e-2,
+                     f"o of call {calls}")
+        if calls == 0:
+            assert not launched, "the first call waited for the Gluon forward"
+        calls += 1
+        time.sleep(0.01)
+    assert launched == [True], f"the Gluon forward did not take over in {calls} calls"
+    assert_close(sparseflash.attention(q, k, v, "causal", score_mod=score_mod).float(), expected, 2e-2,
+                 "o of the Gluon forward")
+
+
 @pytest.mark.gpu
 def test_a_first_backward_at_head_dim_128_runs_the_halves_while_the_fused_kernel_compiles():
     import sparseflash
     from sparseflash.attention.triton import backward
     from tests.helpers import assert_close
 
-    if backward._usable_cpus() < backward.STAND_IN_FROM_CPUS:
-        pytest.skip(f"the halves stand in on hosts of {backward.STAND_IN_FROM_CPUS} CPUs or more")
+    if launch.usable_cpus() < launch.STAND_IN_FROM_CPUS:
+        pytest.skip(f"the halves stand in on hosts of {launch.STAND_IN_FROM_CPUS} CPUs or more")
     score_mod = _new_score_mod()
     before = set(backward.BACKWARD._compiled)
 

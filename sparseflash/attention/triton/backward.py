@@ -40,13 +40,11 @@ dP' is the gradient of the undropped probabilities, since o already holds the ke
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
+from sparseflash.attention.triton.launch import STAND_IN_FROM_CPUS, Launcher, Standin, cdiv, usable_cpus
 from sparseflash.attention.triton.plan import LaunchPlan, gluon_kernels
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, dropout_kept_tile, key_steps, key_tile_scores,
                                                listed_block, load_head_parts, load_part, load_seed, mma, mod_positions,
@@ -523,8 +521,8 @@ FUSED, SPLIT = [("backward", 0)], [("dkdv", 1), ("dq", 2)]
 # The fused kernel compiles in about the time of its two halves one after the other (~3 s at head_dim 128
 # on an H100 host). A first call also compiles the halves ahead, each in a process of its own beside it,
 # and its backward runs them, with the fused kernel's config, until the fused kernel is compiled: where the
-# host has the cores to compile them all at once (docs/kernels.md, "The first call").
-STAND_IN_FROM_CPUS = 8
+# host has the cores to compile them all at once (``launch.STAND_IN_FROM_CPUS``; docs/kernels.md, "The first
+# call").
 PREPROCESS = Launcher(_bwd_preprocess)
 BACKWARD = Launcher(_attn_bwd)
 
@@ -637,11 +635,6 @@ def _stand_in_config(plan: LaunchPlan, fused) -> KernelConfig | None:
     return cfg
 
 
-def _usable_cpus() -> int:
-    """The CPUs this process may run on (a batch job's share of a node, where the scheduler pins it)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
     """Start compiling the kernels that ``attention_backward`` will launch after a forward on these
     inputs (contiguous outputs and gradients, no gradient of lse; none where a launch tunes first)."""
@@ -661,7 +654,7 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
         cfg = planned(kernel, plan.config_key)
         if cfg is None:
             continue
-        stand_in = programs == 0 and _usable_cpus() >= STAND_IN_FROM_CPUS
+        stand_in = programs == 0 and usable_cpus() >= STAND_IN_FROM_CPUS
         if stand_in and not launcher(0)(cfg, BACKWARD.ready):
             for _, half in SPLIT:
                 launcher(half)(cfg, BACKWARD.compile_ahead)

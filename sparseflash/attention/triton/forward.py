@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from sparseflash.attention.triton import forward_decode, forward_persistent
-from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
+from sparseflash.attention.triton.launch import STAND_IN_FROM_CPUS, Launcher, Standin, cdiv, usable_cpus
 from sparseflash.attention.triton.plan import LaunchPlan, gluon_kernels
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_head_parts, load_seed,
                                                 row_tile_ranges, second_part_columns, store_head_parts)
@@ -135,7 +135,8 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     mods = plan.mods_table(list(captures))
-    if plan.gluon_forward and gluon_kernels("forward").launch(plan, q, k, v, o, lse, mods):
+    if plan.gluon_forward and not _triton_stands_in(plan, q, k, v, o, lse, mods) and gluon_kernels("forward").launch(
+            plan, q, k, v, o, lse, mods):
         return o, lse
     dropout_args = plan.dropout_args(dropout)
     name, launch = _kernel(plan)
@@ -145,13 +146,34 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
 
 def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
     """Start compiling the forward kernels that ``attention_forward`` on these inputs will launch (none
-    where that launch tunes first)."""
+    where that launch tunes first): the Gluon forward where it runs and, where it is not compiled yet and the
+    process may use STAND_IN_FROM_CPUS CPUs, the Triton forward beside it, which stands in for it until it is
+    (``_triton_stands_in``)."""
     mods = plan.mods_table(list(captures))
-    if plan.gluon_forward and gluon_kernels("forward").launch(plan, q, k, v, Standin(q.dtype, q.shape),
-                                                              Standin(torch.float32, q.shape[:3]), mods, ahead=True):
-        return
+    o, lse = Standin(q.dtype, q.shape), Standin(torch.float32, q.shape[:3])
+    gluon = gluon_kernels("forward") if plan.gluon_forward else None
+    stand_in = False
+    if gluon is not None and gluon.launch(plan, q, k, v, o, lse, mods, ahead=True):
+        stand_in = usable_cpus() >= STAND_IN_FROM_CPUS and not gluon.ready(plan, q, k, v, o, lse, mods)
+        if not stand_in:
+            return
     name, launch = _kernel(plan)
     cfg = planned(name, plan.config_key)
     if cfg is not None:
-        launch(plan, cfg, q, k, v, Standin(q.dtype, q.shape), Standin(torch.float32, q.shape[:3]), key_lengths,
-               mods, plan.dropout_args(None, ahead=True), ahead=True)
+        launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, plan.dropout_args(None, ahead=True), ahead=True)
+        if stand_in:
+            plan.per_layout.setdefault("forward_stand_in", {})["on"] = True
+
+
+def _triton_stands_in(plan: LaunchPlan, q, k, v, o, lse, mods) -> bool:
+    """Whether the Triton forward runs in place of the Gluon forward on this call: from a first call that
+    compiled both ahead (``compile_forward_ahead``; a Gluon forward with mask or score functions compiles in
+    3.6-4.4 s on an H100 host, the Triton forward in ~2.2) until the first call the Gluon forward is compiled
+    for, which ends it for every layout of the plan."""
+    standing_in = plan.per_layout.get("forward_stand_in", {})
+    if not standing_in.get("on"):
+        return False
+    if gluon_kernels("forward").ready(plan, q, k, v, o, lse, mods):
+        del standing_in["on"]
+        return False
+    return True

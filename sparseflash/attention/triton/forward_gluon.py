@@ -420,9 +420,25 @@ def launch(plan, q, k, v, o, lse, mods: torch.Tensor, ahead: bool = False) -> bo
     """Launch the forward on a problem ``applies`` admits (o and lse contiguous, or ``Standin``s with
     ``ahead``: only compile; mods: the plan's MODS table of the captured tensors); False (nothing launched)
     where TMA cannot read one of q, k, v's layouts."""
+    arguments = _arguments(plan, q, k, v, o, lse, mods)
+    if arguments is None:
+        return False
+    (FORWARD_GLUON.compile_ahead if ahead else FORWARD_GLUON)(*arguments)
+    return True
+
+
+def ready(plan, q, k, v, o, lse, mods: torch.Tensor) -> bool:
+    """Whether ``launch`` with these arguments would start without waiting for a compile (it was launched, or
+    compiled ahead, for them), or launch nothing (a layout TMA cannot read)."""
+    arguments = _arguments(plan, q, k, v, o, lse, mods)
+    return arguments is None or FORWARD_GLUON.ready(*arguments)
+
+
+def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
+    """The launch's (grid, tensors, scalars, constexprs), or None where TMA cannot read q, k or v."""
     rows = gluon_tools.layout_rows(plan.per_layout.setdefault("gluon", {}), (q, k, v))
     if None in rows:
-        return False
+        return None
     descriptors = (row_view(q, rows[0], HALF_M), row_view(k, rows[1], BLOCK_N), row_view(v, rows[2], BLOCK_N))
     tables, table_strides = plan.tables_of("kv")
     n_items = plan.batch * plan.heads * (plan.q_len // BLOCK_M)
@@ -432,13 +448,11 @@ def launch(plan, q, k, v, o, lse, mods: torch.Tensor, ahead: bool = False) -> bo
     # only short ones (CAUSAL: 0.72x at S=16384 on an H200)
     one_a_program = plan.kind is MaskKind.CAUSAL or order is not None
     programs = n_items if one_a_program else min(n_items, multiprocessors(q.device))
-    arguments = ((programs,), (*descriptors, o, lse, *tables, plan.placeholder if order is None else order, mods),
-                 (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *table_strides, plan.heads, plan.groups,
-                  plan.q_len, plan.kv_len, n_items, programs, plan.qk_scale),
-                 _constexprs(KIND_CODES[plan.kind], order is not None, plan.causal, plan.sparse_block, q.shape[3],
-                             (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row)))
-    (FORWARD_GLUON.compile_ahead if ahead else FORWARD_GLUON)(*arguments)
-    return True
+    return ((programs,), (*descriptors, o, lse, *tables, plan.placeholder if order is None else order, mods),
+            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *table_strides, plan.heads, plan.groups,
+             plan.q_len, plan.kv_len, n_items, programs, plan.qk_scale),
+            _constexprs(KIND_CODES[plan.kind], order is not None, plan.causal, plan.sparse_block, q.shape[3],
+                        (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row)))
 
 
 def _longest_first(plan) -> torch.Tensor | None:

@@ -71,6 +71,16 @@ LAUNCH_KEYS_KEPT = 4096  # launch keys a Launcher keeps, the most recent (a key 
 
 INTERPRETER_MULTIPROCESSORS = 3  # what the kernels size their grids by under the interpreter
 
+# A kernel that compiles in seconds has a faster-compiling one stand in for it on a first call (the fused
+# backward its two halves, the Gluon forward the Triton forward), both compiled ahead at once, where the
+# process may use this many CPUs: fewer, and the compiles beside the calls would slow them.
+STAND_IN_FROM_CPUS = 8
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a batch job's share of a node, where the scheduler pins it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
 
 @functools.lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> int:
