@@ -81,8 +81,8 @@ def _key_term(b, h, q_start, qk_scale, MODS, SCORE_MOD: gl.constexpr, SCORE_KEYS
     """A score function linear in kv_idx (SCORE_KEYS) at reference query q_start, as scalars of a work item:
     (at, step, scale), its base-2 term at kv_idx = q_start (its float terms of the query alone left out, as
     ``score_mod`` does), the term's step per key and the products' scale, so that a tile's scores are
-    ``products * scale + (keys + (at + (kv_start - q_start) * step))`` with no load of a captured tensor per
-    tile: the function is evaluated once per item."""
+    ``products * scale + keys`` shifted by ``at + (kv_start - q_start) * step`` (``_scores``): the function is
+    evaluated once per item, no captured tensor loaded per tile."""
     at, d_score = SCORE_MOD(0.0, qk_scale, b, h, q_start, q_start, q_start, 0.0, MODS)
     return at, SCORE_KEYS(b, h, 1, MODS), qk_scale * d_score
 
@@ -261,8 +261,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         b = bh // heads
         h = bh % heads
         # a key term's steps (linear in kv_idx), a separable function's term of each row that scores taken at
-        # q_start leave out (codegen.py); 0.0 without. Here, where their loads of captured tensors run while the
-        # item's first tiles load: at the end they held up every item
+        # q_start leave out (codegen.py); 0.0 without. At the item's start, where their loads of captured
+        # tensors may run while its first tiles load
         keys = key_steps(b, h, offs_n[None, :], MODS, SCORE_KEYS)
         row = row_term(b, h, offs_m, q_start, kv_len, MODS, SCORE_ROW)
         key_term = 0.0
@@ -392,7 +392,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
             special_per_score: bool) -> bool:
     """Whether calls with these inputs and mask take this forward (on a GPU ``launch.gluon_hopper``
     admits): ``gluon_tools.takes`` them, the score function (if any) evaluates no exp, log, tanh or sqrt
-    per score (``special_per_score``: one that is not separable; tanh soft-capping ran 0.71x the Triton
+    per score (``special_per_score``: one that is not separable; tanh soft-capping ran 0.72x the Triton
     forward at S=4096 on an H100, its exp and division beside the softmax's exp2 on the special-function
     units of warpgroups that take turns), and with "auto", rows of ``row_keys`` keys on average, at least
     AUTO_ROW_KEYS's. The layout of each call's tensors is checked at launch. A plan keeps the answer:
