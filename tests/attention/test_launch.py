@@ -142,14 +142,14 @@ def test_compiles_ahead_run_at_once_and_a_launch_waits_for_its_own_only(launcher
     start = time.perf_counter()
     for block in (16, 32, 32):  # the repeat compiles nothing more
         _ahead(launcher, block)
-    assert not launcher.ready((3, 2), (x, launcher.y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=32))
+    assert launcher.compiling((3, 2), (x, launcher.y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=32))
     _launch(launcher, x, launcher.y, BLOCK=32)
     waited = time.perf_counter() - start
     assert 1.0 <= waited < 2.5, f"compiles ahead of 3 s and 1 s: the launch of the 1 s one waited {waited:.2f} s"
     _wait_for_children(launcher)
     assert sorted(ahead["kwargs"]["BLOCK"] for ahead in launcher.kernel.compiled_ahead()) == [16, 32]
-    assert launcher.ready((3, 2), (x, launcher.y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=16))
-    assert not launcher.ready((3, 2), (x, launcher.y), (64, 0.5), dict(FLAG=False, num_warps=4, BLOCK=16))
+    assert not launcher.compiling((3, 2), (x, launcher.y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=16))  # done
+    assert not launcher.compiling((3, 2), (x, launcher.y), (64, 0.5), dict(FLAG=False, num_warps=4, BLOCK=16))
 
 
 def test_a_launch_with_no_compile_ahead_of_its_own_waits_for_those_in_flight(launcher):
@@ -161,14 +161,18 @@ def test_a_launch_with_no_compile_ahead_of_its_own_waits_for_those_in_flight(lau
     _launch(launcher, torch.randn(64), launcher.y, n=48, BLOCK=32)  # another scalar: another key
     assert time.perf_counter() - start >= 0.9
     assert len(launcher.kernel.compiled_ahead()) == 1 and [entry[0] for entry in launcher.kernel.log] == ["triton"]
-    assert launcher.ready((3, 2), (torch.randn(64), launcher.y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=32))
+    _ahead(launcher, n=80)  # differs from a launched one in a scalar only: nothing to compile ahead, none in flight
+    assert not launcher.compiling((3, 2), (torch.randn(64), launcher.y), (80, 0.5),
+                                  dict(FLAG=True, num_warps=4, BLOCK=32))
+    assert len(launcher.kernel.compiled_ahead()) == 1
 
 
 def test_a_failed_compile_ahead_is_left_to_the_launch(launcher):
     launcher.kernel.failing = {32}
     _ahead(launcher)
     _wait_for_children(launcher)
-    assert not launcher.ready((3, 2), (torch.randn(64), launcher.y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=32))
+    assert not launcher.compiling((3, 2), (torch.randn(64), launcher.y), (64, 0.5),
+                                  dict(FLAG=True, num_warps=4, BLOCK=32))
     _launch(launcher, torch.randn(64), launcher.y)  # compiles through Triton, which reports what fails
     assert [entry[0] for entry in launcher.kernel.log] == ["triton"] and not launcher.kernel.compiled_ahead()
 
@@ -290,8 +294,8 @@ def test_the_fused_backwards_halves_stand_in_for_it_until_it_is_compiled():
 
     def fused(config, via):
         asked.append(config)
-        assert via == backward.BACKWARD.ready
-        return compiled[0]
+        assert via == backward.BACKWARD.compiling
+        return not compiled[0]
 
     assert backward._stand_in_config(plan, fused) == cfg and asked == [cfg]
     compiled[0] = True
@@ -307,11 +311,11 @@ def test_the_triton_forward_stands_in_for_the_gluon_forward_until_it_is_compiled
 
     compiled, asked = [False], []
 
-    def ready(plan, *arguments):
+    def compiling(plan, *arguments):
         asked.append(arguments)
-        return compiled[0]
+        return not compiled[0]
 
-    monkeypatch.setattr(forward_gluon, "ready", ready)
+    monkeypatch.setattr(forward_gluon, "compiling", compiling)
     plan = SimpleNamespace(per_layout={"forward_stand_in": {"on": True}})
     arguments = ("q", "k", "v", "o", "lse", "mods")
     assert forward._triton_stands_in(plan, *arguments) and asked == [arguments]

@@ -553,7 +553,7 @@ def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk,
               dropout, grads=()):
     """``launch(cfg, via=BACKWARD)``: the backward kernel with PROGRAMS ``programs`` (``dropout``:
     ``plan.dropout_args``) through ``via``: ``BACKWARD`` launches it, ``BACKWARD.compile_ahead`` only compiles
-    it (the tensors past v may then be ``Standin``s), ``BACKWARD.ready`` says whether it is compiled. A launch
+    it (the tensors past v may then be ``Standin``s), ``BACKWARD.compiling`` whether that compile is in flight. A launch
     of the dK/dV programs zeroes ``grads`` first: they add into them."""
     seed, *dropout_scalars = dropout
     tensors = (q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, *plan.tables_of("q")[0], *plan.tables_of("kv")[0],
@@ -622,15 +622,16 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
 
 
 def _stand_in_config(plan: LaunchPlan, fused) -> KernelConfig | None:
-    """The config of the fused kernel's halves where they stand in for it (it is still compiling, after a
-    first call compiled the halves ahead), else None. The first launch the fused kernel is ready for ends
-    the standing in, for every layout of the plan."""
+    """The config of the fused kernel's halves where they stand in for it (its compile ahead is still in
+    flight, after a first call compiled the halves ahead beside it), else None. The first launch that finds
+    that compile ended (compiled, or failed: the launch then compiles and reports) ends the standing in, for
+    every layout of the plan."""
     standing_in = plan.per_layout.get("backward_stand_in", {})
     cfg = standing_in.get("config")
     if cfg is None:
         return None
-    if fused(cfg, BACKWARD.ready):
-        del standing_in["config"]
+    if not fused(cfg, BACKWARD.compiling):
+        standing_in.pop("config", None)  # (another thread may have ended it)
         return None
     return cfg
 
@@ -654,9 +655,10 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
         cfg = planned(kernel, plan.config_key)
         if cfg is None:
             continue
-        stand_in = programs == 0 and usable_cpus() >= STAND_IN_FROM_CPUS
-        if stand_in and not launcher(0)(cfg, BACKWARD.ready):
+        launcher(programs)(cfg, BACKWARD.compile_ahead)
+        # the halves stand in only while that compile is in flight: a launch differing from a compiled one only
+        # in its scalars, or a process that cannot fork, started none
+        if programs == 0 and usable_cpus() >= STAND_IN_FROM_CPUS and launcher(0)(cfg, BACKWARD.compiling):
             for _, half in SPLIT:
                 launcher(half)(cfg, BACKWARD.compile_ahead)
             plan.per_layout.setdefault("backward_stand_in", {})["config"] = cfg
-        launcher(programs)(cfg, BACKWARD.compile_ahead)

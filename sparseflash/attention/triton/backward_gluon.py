@@ -40,7 +40,9 @@ Constexpr flags:
   STAGES         Q/dO buffers.
 
 Scores in base 2 as in backward.py: p = exp2(s * qk_scale - lse2) with lse2 = lse * log2(e) from the
-preprocess (+inf for a row that saw no key: p = 0); dK = scale * sum dS^T Q, dQ = scale * sum dS K.
+preprocess (+inf for a row that saw no key: p = 0); with a score function p = exp2(its base-2 score at the
+query tile's first query - lse2), lse2 less the function's row terms (``_lse2_less_rows``), and dS is scaled
+by its derivative; dK = scale * sum dS^T Q, dQ = scale * sum dS K.
 
 Applies (``applies``) on Hopper with Triton >= 3.6 where ``gluon_tools.takes`` the inputs (query tiles of
 ``BLOCK_M``, key tiles of 128), no captured tensor takes a gradient, and the layouts TMA can read;
@@ -335,7 +337,8 @@ def _lse2_less_rows(LSE2, MODS, heads, q_len, kv_len, stats_stride, SCORE_ROW: t
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ptrs = LSE2 + bh * stats_stride + offs
     lse2 = tl.load(ptrs, mask=offs < q_len)
-    lse2 -= row_term(bh // heads, bh % heads, offs, offs - offs % TILE, kv_len, MODS, SCORE_ROW)
+    rows = tl.minimum(offs, q_len - 1)  # a captured table of q_len entries is read within it (rows past go unstored)
+    lse2 -= row_term(bh // heads, bh % heads, rows, rows - rows % TILE, kv_len, MODS, SCORE_ROW)
     tl.store(ptrs, lse2, mask=offs < q_len)
 
 

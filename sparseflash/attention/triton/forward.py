@@ -146,15 +146,15 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
 
 def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
     """Start compiling the forward kernels that ``attention_forward`` on these inputs will launch (none
-    where that launch tunes first): the Gluon forward where it runs and, where it is not compiled yet and the
-    process may use STAND_IN_FROM_CPUS CPUs, the Triton forward beside it, which stands in for it until it is
+    where that launch tunes first): the Gluon forward where it runs and, where that compile is in flight and the
+    process may use STAND_IN_FROM_CPUS CPUs, the Triton forward beside it, which stands in for it until it ends
     (``_triton_stands_in``)."""
     mods = plan.mods_table(list(captures))
     o, lse = Standin(q.dtype, q.shape), Standin(torch.float32, q.shape[:3])
     gluon = gluon_kernels("forward") if plan.gluon_forward else None
     stand_in = False
     if gluon is not None and gluon.launch(plan, q, k, v, o, lse, mods, ahead=True):
-        stand_in = usable_cpus() >= STAND_IN_FROM_CPUS and not gluon.ready(plan, q, k, v, o, lse, mods)
+        stand_in = usable_cpus() >= STAND_IN_FROM_CPUS and gluon.compiling(plan, q, k, v, o, lse, mods)
         if not stand_in:
             return
     name, launch = _kernel(plan)
@@ -168,12 +168,13 @@ def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, 
 def _triton_stands_in(plan: LaunchPlan, q, k, v, o, lse, mods) -> bool:
     """Whether the Triton forward runs in place of the Gluon forward on this call: from a first call that
     compiled both ahead (``compile_forward_ahead``; a Gluon forward with mask or score functions compiles in
-    3.6-4.4 s on an H100 host, the Triton forward in ~2.2) until the first call the Gluon forward is compiled
-    for, which ends it for every layout of the plan."""
+    3.6-4.4 s on an H100 host, the Triton forward in ~2.2) while the Gluon forward's compile ahead is in flight.
+    The first call that finds it ended (compiled, or failed: the launch then compiles and reports), or that
+    the Gluon forward cannot take (a layout TMA cannot read), ends it for every layout of the plan."""
     standing_in = plan.per_layout.get("forward_stand_in", {})
     if not standing_in.get("on"):
         return False
-    if gluon_kernels("forward").ready(plan, q, k, v, o, lse, mods):
-        del standing_in["on"]
+    if not gluon_kernels("forward").compiling(plan, q, k, v, o, lse, mods):
+        standing_in.pop("on", None)  # (another thread may have ended it)
         return False
     return True

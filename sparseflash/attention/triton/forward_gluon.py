@@ -93,10 +93,11 @@ def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, key
             SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
     """(scores, shift): the products s of key tile t as the softmax takes them: SCORE_MOD's base-2 scores at
     reference query q_start (``tiles.modded_scores``; the products themselves without a score function), then
-    -inf where the tile is past the unmasked ones (CAUSAL's diagonal, SPARSE's partial blocks) and q_idx <
-    kv_idx or MASK_MOD drops the element. With SCORE_KEYS the scores less the key term's value at the tile's
-    first key, ``shift`` (the item's ``_key_term``), which the softmax adds to the rows' max instead: a
-    vector add per tile less; shift is 0.0 otherwise."""
+    -inf where the tile is past the unmasked ones (CAUSAL's diagonal, SPARSE's partial blocks) and the element
+    is dropped by q_idx < kv_idx (CAUSAL, IS_CAUSAL) or by MASK_MOD (by either where both apply). With
+    SCORE_KEYS the scores less the key term's value at the tile's first key, ``shift`` (the item's
+    ``_key_term``), which the softmax adds to the rows' max instead: a vector add per tile less; shift is 0.0
+    otherwise."""
     shift = 0.0
     if SCORE_MOD is not None or MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None:
         kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
@@ -320,11 +321,12 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(kv_empty.index(last % STAGES))
         used += n_loads
+        l_o = l_i
         if MAY_BE_EMPTY:
-            l_o = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), row_o)
-        else:
-            l_o = gl.convert_layout(l_i, row_o)
-        o = acc / l_o[:, None]
+            l_o = gl.where(l_i == 0.0, 1.0, l_i)
+        if SCORE_ROW is not None:  # a row whose term is -inf (a query a -inf table pads) sees no key: o = 0
+            l_o = gl.where(row == float("-inf"), float("inf"), l_o)
+        o = acc / gl.convert_layout(l_o, row_o)[:, None]
         out_row = bh * q_len + q_start
         gl.store(O + (out_row + rows_o).to(gl.int64)[:, None] * HEAD_DIM + cols[None, :], o.to(O.dtype.element_ty))
         lse = (m_i * soft_scale + gl.log2(l_i) + row) * 0.6931471805599453
@@ -427,11 +429,11 @@ def launch(plan, q, k, v, o, lse, mods: torch.Tensor, ahead: bool = False) -> bo
     return True
 
 
-def ready(plan, q, k, v, o, lse, mods: torch.Tensor) -> bool:
-    """Whether ``launch`` with these arguments would start without waiting for a compile (it was launched, or
-    compiled ahead, for them), or launch nothing (a layout TMA cannot read)."""
+def compiling(plan, q, k, v, o, lse, mods: torch.Tensor) -> bool:
+    """Whether the compile ahead of ``launch`` with these arguments is in flight (``Launcher.compiling``);
+    False where TMA cannot read a layout (``launch`` launches nothing)."""
     arguments = _arguments(plan, q, k, v, o, lse, mods)
-    return arguments is None or FORWARD_GLUON.ready(*arguments)
+    return arguments is not None and FORWARD_GLUON.compiling(*arguments)
 
 
 def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:

@@ -182,7 +182,8 @@ class Launcher:
         ahead = self._ahead.pop(key, None)
         for child in [ahead] if ahead is not None else list(self._ahead.values()):
             forked.wait(child, AHEAD_TIMEOUT_SECONDS)
-        # (those that failed go: their launch compiles through Triton; those that succeeded stay, for ``ready``)
+        # (those that failed go: their launch compiles through Triton; those that succeeded stay: a compile ahead
+        # asked for again starts nothing)
         self._ahead = {k: child for k, child in self._ahead.items() if not child.done() or child.exception() is None}
         with _COMPILING:
             compiled = self.kernel[grid](*tensors, *scalars, **constexprs)
@@ -206,15 +207,14 @@ class Launcher:
 
         return launch
 
-    def ready(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> bool:
-        """Whether a launch with these arguments would start without waiting for a compile: its kernel was
-        launched before, or compiled ahead (``grid`` is no part of that: it is taken so that the arguments
-        read as a launch's)."""
+    def compiling(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> bool:
+        """Whether a compile ahead for a launch with these arguments is in flight (a launch now would wait for
+        it): what a faster kernel standing in for this one waits on. False where none was started (a compiled
+        kernel, a launch differing only in its scalars, no fork) and once it has ended, failed or not."""
         if not self._direct:
-            return True
-        key = self._key(tensors, scalars, constexprs)
-        ahead = self._ahead.get(key)
-        return key in self._compiled or (ahead is not None and ahead.done() and ahead.exception() is None)
+            return False
+        ahead = self._ahead.get(self._key(tensors, scalars, constexprs))
+        return ahead is not None and not ahead.done()
 
     def compile_ahead(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> None:
         """Start compiling, in a child process, the kernel that a launch with these arguments needs
