@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="Triton without Gluon for Hopper")
 import sparseflash  # noqa: E402
-from sparseflash.attention.triton import backward_gluon, forward, forward_gluon, gluon_tools  # noqa: E402
+from sparseflash.attention.triton import backward, backward_gluon, forward, forward_gluon, gluon_tools  # noqa: E402
 from sparseflash.attention.triton.forward_persistent import row_view_rows  # noqa: E402
 from sparseflash.attention.triton.launch import Launcher, Standin, gluon_hopper  # noqa: E402
 from sparseflash.attention.triton.plan import LaunchPlan  # noqa: E402
@@ -62,9 +62,10 @@ def _inputs(shape: str, dim: int, dtype: torch.dtype, heads: int = 4, kv_heads: 
 
 def _spy_launches(monkeypatch) -> dict[str, list[bool]]:
     """What each Gluon kernel's ``launch`` returned in the calls after this (True: it ran; a launch ahead, which
-    only compiles, is not counted), the Triton forward never standing in for the Gluon forward while it
-    compiles: the calls run the Gluon kernels, which the tests judge."""
-    monkeypatch.setattr(forward, "STAND_IN_FROM_CPUS", math.inf)
+    only compiles, is not counted), the Triton kernels never standing in for the Gluon kernels while they
+    compile: the calls run the Gluon kernels, which the tests judge."""
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "STAND_IN_FROM_CPUS", math.inf)
     launched = {"forward": [], "backward": []}
     for direction, module in (("forward", forward_gluon), ("backward", backward_gluon)):
         def launch(*args, _original=module.launch, _direction=direction, **kwargs):

@@ -284,26 +284,20 @@ def test_a_first_call_compiles_forward_and_backward_in_child_processes(gradient,
     assert torch.isfinite(q.grad).all()
 
 
-def test_the_fused_backwards_halves_stand_in_for_it_until_it_is_compiled():
-    from sparseflash.attention.triton import backward
-    from sparseflash.attention.triton.tuning import KernelConfig
+def test_a_stand_in_runs_while_the_kernel_it_stands_in_for_compiles():
+    halves = [("cfg", 1), ("cfg", 2)]
+    state, compiled, asked = {"stand_in": halves}, [False], []
 
-    cfg = KernelConfig(128, 64, 8, 3)
-    plan = SimpleNamespace(per_layout={"backward_stand_in": {"config": cfg}})
-    compiled, asked = [False], []
-
-    def fused(config, via):
-        asked.append(config)
-        assert via == backward.BACKWARD.compiling
+    def compiling(stand_in):
+        asked.append(stand_in)
         return not compiled[0]
 
-    assert backward._stand_in_config(plan, fused) == cfg and asked == [cfg]
+    assert launch.standing_in(state, compiling) == halves and asked == [halves]
     compiled[0] = True
-    assert backward._stand_in_config(plan, fused) is None
-    assert plan.per_layout["backward_stand_in"] == {}  # ended for every layout: later calls ask nothing
+    assert launch.standing_in(state, compiling) is None
+    assert state == {}  # ended for every layout: later calls ask nothing
     asked.clear()
-    assert backward._stand_in_config(plan, fused) is None and asked == []
-    assert backward._stand_in_config(SimpleNamespace(per_layout={}), fused) is None and asked == []
+    assert launch.standing_in(state, compiling) is None and asked == []
 
 
 def test_the_triton_forward_stands_in_for_the_gluon_forward_until_it_is_compiled(monkeypatch):
@@ -316,7 +310,7 @@ def test_the_triton_forward_stands_in_for_the_gluon_forward_until_it_is_compiled
         return not compiled[0]
 
     monkeypatch.setattr(forward_gluon, "compiling", compiling)
-    plan = SimpleNamespace(per_layout={"forward_stand_in": {"on": True}})
+    plan = SimpleNamespace(per_layout={"forward_stand_in": {"stand_in": True}})
     arguments = ("q", "k", "v", "o", "lse", "mods")
     assert forward._triton_stands_in(plan, *arguments) and asked == [arguments]
     compiled[0] = True
@@ -397,6 +391,51 @@ def test_a_first_backward_at_head_dim_128_runs_the_halves_while_the_fused_kernel
     for name, first, last, ref in zip("qkv", grads[0], grads[-1], expected):
         assert_close(first.float(), ref, 2e-2, f"d{name} of the halves")
         assert_close(last.float(), ref, 2e-2, f"d{name} of the fused kernel")
+
+
+@pytest.mark.gpu
+def test_a_first_backward_runs_the_triton_halves_while_the_gluon_backward_compiles(monkeypatch):
+    """A new score function on causal rows the Gluon backward takes (head dim 64): the first backward runs the
+    Triton backward's halves, compiled ahead beside the Gluon backward; a later one the Gluon backward; every
+    gradient against the reference."""
+    import sparseflash
+    from sparseflash.attention.triton import backward, backward_gluon
+    from sparseflash.attention.triton.launch import gluon_hopper
+    from tests.helpers import assert_close
+
+    if not gluon_hopper(torch.device("cuda")) or launch.usable_cpus() < launch.STAND_IN_FROM_CPUS:
+        pytest.skip(f"the halves stand in on Hopper hosts of {launch.STAND_IN_FROM_CPUS} CPUs or more")
+    monkeypatch.delenv("SPARSEFLASH_GLUON", raising=False)
+    launched = []
+
+    def spied(*args, _original=backward_gluon.launch, **kwargs):
+        ran = _original(*args, **kwargs)
+        if not kwargs.get("ahead"):
+            launched.append(ran)
+        return ran
+
+    monkeypatch.setattr(backward_gluon, "launch", spied)
+    score_mod = _new_score_mod()
+    before = set(backward.BACKWARD._compiled)
+    q, k, v = (torch.randn(2, 4, 2048, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    o = sparseflash.attention(q.float(), k.float(), v.float(), "causal", score_mod=score_mod, backend="reference")
+    expected = torch.autograd.grad(o, (q, k, v), do.float())
+    grads = []
+    for _ in range(100):  # the first backward, then until the Gluon backward takes over
+        o = sparseflash.attention(q, k, v, "causal", score_mod=score_mod)
+        grads.append(torch.autograd.grad(o, (q, k, v), do))
+        if len(grads) == 1:
+            programs = {dict(key[1])["PROGRAMS"] for key in set(backward.BACKWARD._compiled) - before}
+            assert not launched and programs == {1, 2}, (
+                f"the first backward launched the Gluon backward ({launched}) or PROGRAMS {programs}, not the halves")
+        if launched:
+            break
+        time.sleep(0.1)
+    assert launched == [True], "the Gluon backward never took over"
+    for name, first, last, ref in zip("qkv", grads[0], grads[-1], expected):
+        assert_close(first.float(), ref, 2e-2, f"d{name} of the halves")
+        assert_close(last.float(), ref, 2e-2, f"d{name} of the Gluon backward")
 
 
 def test_a_plan_keeps_a_bounded_number_of_mods_tables():

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseflash.attention.triton.launch import STAND_IN_FROM_CPUS, Launcher, Standin, cdiv, usable_cpus
+from sparseflash.attention.triton.launch import STAND_IN_FROM_CPUS, Launcher, Standin, cdiv, standing_in, usable_cpus
 from sparseflash.attention.triton.plan import LaunchPlan, gluon_kernels
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, dropout_kept_tile, key_steps, key_tile_scores,
                                                listed_block, load_head_parts, load_part, load_seed, mma, mod_positions,
@@ -522,7 +522,7 @@ FUSED, SPLIT = [("backward", 0)], [("dkdv", 1), ("dq", 2)]
 # on an H100 host). A first call also compiles the halves ahead, each in a process of its own beside it,
 # and its backward runs them, with the fused kernel's config, until the fused kernel is compiled: where the
 # host has the cores to compile them all at once (``launch.STAND_IN_FROM_CPUS``; docs/kernels.md, "The first
-# call").
+# call"). The halves stand in for the Gluon backward alike.
 PREPROCESS = Launcher(_bwd_preprocess)
 BACKWARD = Launcher(_attn_bwd)
 
@@ -601,9 +601,13 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
              if t.requires_grad and t.dtype.is_floating_point else None for t in captures]
     mods = plan.mods_table(list(captures), grads)
-    if plan.gluon_backward and gluon_kernels("backward").launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods,
-                                                                stats_stride):
-        return dq, dk, dv, grads
+    gluon = gluon_kernels("backward") if plan.gluon_backward else None
+    stand_in = None
+    if gluon is not None:
+        stand_in = standing_in(plan.per_layout.get("gluon_backward_stand_in", {}),
+                               lambda _: gluon.compiling(plan, q, k, v, do, mods, stats_stride))
+        if stand_in is None and gluon.launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods, stats_stride):
+            return dq, dk, dv, grads
     dropout_args = plan.dropout_args(dropout)
 
     def launcher(programs: int):
@@ -611,9 +615,11 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
                          dropout_args, grads)
 
     kernels = _kernels(plan)
-    cfg = _stand_in_config(plan, launcher(0)) if kernels is FUSED else None
-    if cfg is not None:
-        for _, programs in SPLIT:
+    if stand_in is None and kernels is FUSED:
+        stand_in = standing_in(plan.per_layout.get("backward_stand_in", {}),
+                               lambda launches: launcher(0)(launches[0][0], BACKWARD.compiling))
+    if stand_in is not None:
+        for cfg, programs in stand_in:
             launcher(programs)(cfg)
         return dq, dk, dv, grads
     for kernel, programs in kernels:
@@ -621,44 +627,46 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
     return dq, dk, dv, grads
 
 
-def _stand_in_config(plan: LaunchPlan, fused) -> KernelConfig | None:
-    """The config of the fused kernel's halves where they stand in for it (its compile ahead is still in
-    flight, after a first call compiled the halves ahead beside it), else None. The first launch that finds
-    that compile ended (compiled, or failed: the launch then compiles and reports) ends the standing in, for
-    every layout of the plan."""
-    standing_in = plan.per_layout.get("backward_stand_in", {})
-    cfg = standing_in.get("config")
-    if cfg is None:
-        return None
-    if not fused(cfg, BACKWARD.compiling):
-        standing_in.pop("config", None)  # (another thread may have ended it)
-        return None
-    return cfg
-
-
 def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
     """Start compiling the kernels that ``attention_backward`` will launch after a forward on these
-    inputs (contiguous outputs and gradients, no gradient of lse; none where a launch tunes first)."""
+    inputs (contiguous outputs and gradients, no gradient of lse; none where a launch tunes first), and where
+    the process may use STAND_IN_FROM_CPUS CPUs, those that stand in for the Gluon backward or the fused kernel
+    while it compiles (the halves: ``launch.standing_in``)."""
     stats_stride = _stats_stride(plan)
     out = Standin(q.dtype, q.shape)  # o, do and dq
     stats = Standin(torch.float32, (plan.batch * plan.heads, stats_stride))
     _preprocess(plan, out, out, Standin(torch.float32, q.shape[:3]), None, stats, stats, stats_stride, ahead=True)
     mods = plan.mods_table(list(captures))
-    if plan.gluon_backward and gluon_kernels("backward").compile_ahead(plan, q, k, v, mods, stats, stats_stride):
-        return
+    stand_ins = usable_cpus() >= STAND_IN_FROM_CPUS
+    gluon = gluon_kernels("backward") if plan.gluon_backward else None
+    if gluon is not None and gluon.compile_ahead(plan, q, k, v, mods, stats, stats_stride):
+        if not stand_ins or not gluon.compiling(plan, q, k, v, out, mods, stats_stride):
+            return
+    else:
+        gluon = None
 
     def launcher(programs: int):
         return _launcher(plan, programs, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape),
                          Standin(v.dtype, v.shape), key_lengths, mods, stats_stride, plan.dropout_args(None, ahead=True))
 
-    for kernel, programs in _kernels(plan):
-        cfg = planned(kernel, plan.config_key)
-        if cfg is None:
-            continue
+    kernels = _kernels(plan)
+    configs = [planned(kernel, plan.config_key) for kernel, _ in kernels]
+    if gluon is None:
+        for cfg, (_, programs) in zip(configs, kernels):
+            if cfg is not None:
+                launcher(programs)(cfg, BACKWARD.compile_ahead)
+        # the halves stand in for the fused kernel only while its compile is in flight: a launch differing from a
+        # compiled one only in its scalars, or a process that cannot fork, started none
+        if kernels is not FUSED or configs[0] is None or not stand_ins or not launcher(0)(configs[0],
+                                                                                       BACKWARD.compiling):
+            return
+    elif None in configs:
+        return
+    # the halves, with the fused kernel's config where it runs; for the Gluon backward too (at head dim 64 its
+    # compile ended ~1.2 s after a new function's first forward on an H100 host)
+    halves = [(configs[0], programs) for _, programs in SPLIT] if kernels is FUSED else [
+        (cfg, programs) for cfg, (_, programs) in zip(configs, kernels)]
+    for cfg, programs in halves:
         launcher(programs)(cfg, BACKWARD.compile_ahead)
-        # the halves stand in only while that compile is in flight: a launch differing from a compiled one only
-        # in its scalars, or a process that cannot fork, started none
-        if programs == 0 and usable_cpus() >= STAND_IN_FROM_CPUS and launcher(0)(cfg, BACKWARD.compiling):
-            for _, half in SPLIT:
-                launcher(half)(cfg, BACKWARD.compile_ahead)
-            plan.per_layout.setdefault("backward_stand_in", {})["config"] = cfg
+    plan.per_layout.setdefault("backward_stand_in" if gluon is None else "gluon_backward_stand_in",
+                               {})["stand_in"] = halves

@@ -406,33 +406,12 @@ def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods: torch.Tensor, stats
     launched) where TMA cannot read one of q, k, v's layouts, or where torch is asked for deterministic
     algorithms (``torch.use_deterministic_algorithms``): dQ's TMA adds land in any order, so its last bits
     vary from run to run, and the Triton backward's do not."""
-    if torch.are_deterministic_algorithms_enabled():
+    prepared = _arguments(plan, q, k, v, do, None if ahead else (lse2, delta), dk, dv, mods, stats_stride)
+    if prepared is None:
         return False
-    rows = gluon_tools.layout_rows(plan.per_layout.setdefault("gluon_backward", {}), (q, k, v, do))
-    if None in rows[:3]:
-        return False
-    if rows[3] is None:  # a layout TMA cannot read: read a copy (a fresh one: a misaligned do may be contiguous)
-        do = do.clone(memory_format=torch.contiguous_format)
-        rows = [*rows[:3], row_view_rows(do)]
-    block_m = BLOCK_M[q.shape[3]]
-    q_desc = row_view(q, rows[0], block_m)
-    # compiled ahead with q's descriptor in place of dO's: a descriptor's key is its dtype, box and layout
-    descriptors = (q_desc, row_view(k, rows[1], BLOCK_N // 2), row_view(v, rows[2], BLOCK_N // 2),
-                   q_desc if ahead else row_view(do, rows[3], block_m))
-    dq_rows = plan.batch * plan.heads * plan.q_len
-    dq_acc, dq_desc = _dq_accumulator(block_m if ahead else dq_rows, q.shape[3], q.device)
-    # compiled ahead with the accumulator's storage for the statistics: their descriptors key alike
-    lse_desc, delta_desc = (_stats(dq_acc, block_m), _stats(dq_acc, block_m)) if ahead else (
-        _stats(lse2, block_m), _stats(delta, block_m))
-    tables, table_strides = plan.tables_of("q")
-    arguments = ((plan.batch * plan.kv_heads * (plan.kv_len // BLOCK_N),),
-                 (*descriptors, dq_desc, lse_desc, delta_desc, dk, dv, *tables, mods),
-                 (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *table_strides, plan.heads,
-                  plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
-                 _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, q.shape[3],
-                             (plan.mask_mod, plan.score_mod, plan.score_keys)))
+    arguments, dq_acc = prepared
     if plan.score_row is not None:
-        _rows_off(plan, lse2, mods, stats_stride, block_m, ahead)
+        _rows_off(plan, lse2, mods, stats_stride, BLOCK_M[q.shape[3]], ahead)
     if ahead:
         BACKWARD_GLUON.compile_ahead(*arguments)
         return True
@@ -446,3 +425,43 @@ def compile_ahead(plan, q, k, v, mods: torch.Tensor, stats: Standin, stats_strid
     out = Standin(q.dtype, q.shape)
     return launch(plan, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape), Standin(v.dtype, v.shape), mods,
                   stats_stride, ahead=True)
+
+
+def compiling(plan, q, k, v, do, mods: torch.Tensor, stats_stride: int) -> bool:
+    """Whether the compile ahead of the kernel that ``launch`` would run on these inputs is in flight
+    (``Launcher.compiling``: what the Triton backward standing in for it waits on); False where ``launch``
+    would launch nothing."""
+    prepared = _arguments(plan, q, k, v, do, None, Standin(k.dtype, k.shape), Standin(v.dtype, v.shape), mods,
+                          stats_stride)
+    return prepared is not None and BACKWARD_GLUON.compiling(*prepared[0])
+
+
+def _arguments(plan, q, k, v, do, stats: tuple | None, dk, dv, mods: torch.Tensor, stats_stride: int):
+    """(the launch's (grid, tensors, scalars, constexprs), dQ's fp32 accumulator), or None where ``launch``
+    launches nothing. ``stats``: (lse2, delta); None for the arguments of a compile ahead (a small accumulator,
+    and descriptors that key alike in place of dO's and the statistics')."""
+    if torch.are_deterministic_algorithms_enabled():
+        return None
+    rows = gluon_tools.layout_rows(plan.per_layout.setdefault("gluon_backward", {}), (q, k, v, do))
+    if None in rows[:3]:
+        return None
+    ahead = stats is None
+    if rows[3] is None:  # a layout TMA cannot read: read a copy (a fresh one: a misaligned do may be contiguous)
+        do = Standin(do.dtype, do.shape) if ahead else do.clone(memory_format=torch.contiguous_format)
+        rows = [*rows[:3], row_view_rows(do)]
+    block_m = BLOCK_M[q.shape[3]]
+    q_desc = row_view(q, rows[0], block_m)
+    # a descriptor's key is its dtype, box and layout: q's stands for dO's ahead, the accumulator's for the stats'
+    descriptors = (q_desc, row_view(k, rows[1], BLOCK_N // 2), row_view(v, rows[2], BLOCK_N // 2),
+                   q_desc if ahead else row_view(do, rows[3], block_m))
+    dq_acc, dq_desc = _dq_accumulator(block_m if ahead else plan.batch * plan.heads * plan.q_len, q.shape[3],
+                                      q.device)
+    lse_desc, delta_desc = (_stats(dq_acc, block_m), _stats(dq_acc, block_m)) if ahead else (
+        _stats(stats[0], block_m), _stats(stats[1], block_m))
+    tables, table_strides = plan.tables_of("q")
+    return ((plan.batch * plan.kv_heads * (plan.kv_len // BLOCK_N),),
+            (*descriptors, dq_desc, lse_desc, delta_desc, dk, dv, *tables, mods),
+            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *table_strides, plan.heads,
+             plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
+            _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, q.shape[3],
+                        (plan.mask_mod, plan.score_mod, plan.score_keys))), dq_acc

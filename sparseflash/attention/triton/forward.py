@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from sparseflash.attention.triton import forward_decode, forward_persistent
-from sparseflash.attention.triton.launch import STAND_IN_FROM_CPUS, Launcher, Standin, cdiv, usable_cpus
+from sparseflash.attention.triton.launch import STAND_IN_FROM_CPUS, Launcher, Standin, cdiv, standing_in, usable_cpus
 from sparseflash.attention.triton.plan import LaunchPlan, gluon_kernels
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_head_parts, load_seed,
                                                 row_tile_ranges, second_part_columns, store_head_parts)
@@ -162,19 +162,13 @@ def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, 
     if cfg is not None:
         launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, plan.dropout_args(None, ahead=True), ahead=True)
         if stand_in:
-            plan.per_layout.setdefault("forward_stand_in", {})["on"] = True
+            plan.per_layout.setdefault("forward_stand_in", {})["stand_in"] = True
 
 
 def _triton_stands_in(plan: LaunchPlan, q, k, v, o, lse, mods) -> bool:
-    """Whether the Triton forward runs in place of the Gluon forward on this call: from a first call that
-    compiled both ahead (``compile_forward_ahead``; a Gluon forward with mask or score functions compiles in
-    3.6-4.4 s on an H100 host, the Triton forward in ~2.2) while the Gluon forward's compile ahead is in flight.
-    The first call that finds it ended (compiled, or failed: the launch then compiles and reports), or that
-    the Gluon forward cannot take (a layout TMA cannot read), ends it for every layout of the plan."""
-    standing_in = plan.per_layout.get("forward_stand_in", {})
-    if not standing_in.get("on"):
-        return False
-    if not gluon_kernels("forward").compiling(plan, q, k, v, o, lse, mods):
-        standing_in.pop("on", None)  # (another thread may have ended it)
-        return False
-    return True
+    """Whether the Triton forward runs in place of the Gluon forward on this call (``launch.standing_in``): from a
+    first call that compiled both ahead (``compile_forward_ahead``; a Gluon forward with mask or score functions
+    compiles in 3.6-4.4 s on an H100 host, the Triton forward in ~2.2) while the Gluon forward's compile ahead is
+    in flight. A call the Gluon forward cannot take (a layout TMA cannot read) ends it too."""
+    return standing_in(plan.per_layout.get("forward_stand_in", {}),
+                       lambda _: gluon_kernels("forward").compiling(plan, q, k, v, o, lse, mods)) is not None

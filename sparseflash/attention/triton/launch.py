@@ -20,6 +20,7 @@ import math
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 import triton
@@ -72,9 +73,24 @@ LAUNCH_KEYS_KEPT = 4096  # launch keys a Launcher keeps, the most recent (a key 
 INTERPRETER_MULTIPROCESSORS = 3  # what the kernels size their grids by under the interpreter
 
 # A kernel that compiles in seconds has a faster-compiling one stand in for it on a first call (the fused
-# backward its two halves, the Gluon forward the Triton forward), both compiled ahead at once, where the
-# process may use this many CPUs: fewer, and the compiles beside the calls would slow them.
+# backward its two halves, the Gluon forward the Triton forward, the Gluon backward the Triton backward's
+# halves), both compiled ahead at once, where the process may use this many CPUs: fewer, and the compiles
+# beside the calls would slow them.
 STAND_IN_FROM_CPUS = 8
+
+
+def standing_in(state: dict, compiling: Callable[[object], bool]):
+    """What stands in on this call for a kernel compiling ahead: ``state["stand_in"]``, set by the first call that
+    compiled both ahead (the stand-in's launches), while ``compiling(it)`` says that compile is in flight; else
+    None. The first call that finds the compile ended (compiled, or failed: the launch then compiles and reports)
+    ends the standing in, for every layout of the plan that keeps ``state``."""
+    stand_in = state.get("stand_in")
+    if stand_in is None:
+        return None
+    if not compiling(stand_in):
+        state.pop("stand_in", None)  # (another thread may have ended it)
+        return None
+    return stand_in
 
 
 def usable_cpus() -> int:
