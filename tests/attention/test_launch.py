@@ -302,7 +302,9 @@ def test_a_stand_in_runs_while_the_kernel_it_stands_in_for_compiles():
 
 def test_the_triton_forward_stands_in_for_the_gluon_forward_until_it_is_compiled(monkeypatch):
     from sparseflash.attention.triton import forward, forward_gluon
+    from sparseflash.attention.triton.tuning import KernelConfig
 
+    cfg = KernelConfig(128, 64, 8, 3)
     compiled, asked = [False], []
 
     def compiling(plan, *arguments):
@@ -310,15 +312,15 @@ def test_the_triton_forward_stands_in_for_the_gluon_forward_until_it_is_compiled
         return not compiled[0]
 
     monkeypatch.setattr(forward_gluon, "compiling", compiling)
-    plan = SimpleNamespace(per_layout={"forward_stand_in": {"stand_in": True}})
+    plan = SimpleNamespace(per_layout={"forward_stand_in": {"stand_in": cfg}})
     arguments = ("q", "k", "v", "o", "lse", "mods")
-    assert forward._triton_stands_in(plan, *arguments) and asked == [arguments]
+    assert forward._triton_stand_in(plan, *arguments) == cfg and asked == [arguments]
     compiled[0] = True
-    assert not forward._triton_stands_in(plan, *arguments)
+    assert forward._triton_stand_in(plan, *arguments) is None
     assert plan.per_layout["forward_stand_in"] == {}  # ended for every layout: later calls ask nothing
     asked.clear()
-    assert not forward._triton_stands_in(plan, *arguments) and asked == []
-    assert not forward._triton_stands_in(SimpleNamespace(per_layout={}), *arguments) and asked == []
+    assert forward._triton_stand_in(plan, *arguments) is None and asked == []
+    assert forward._triton_stand_in(SimpleNamespace(per_layout={}), *arguments) is None and asked == []
 
 
 @pytest.mark.gpu

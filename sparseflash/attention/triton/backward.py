@@ -522,7 +522,7 @@ FUSED, SPLIT = [("backward", 0)], [("dkdv", 1), ("dq", 2)]
 # on an H100 host). A first call also compiles the halves ahead, each in a process of its own beside it,
 # and its backward runs them, with the fused kernel's config, until the fused kernel is compiled: where the
 # host has the cores to compile them all at once (``launch.STAND_IN_FROM_CPUS``; docs/kernels.md, "The first
-# call"). The halves stand in for the Gluon backward alike.
+# call"). Where the Triton backward is split, its halves stand in for the Gluon backward alike.
 PREPROCESS = Launcher(_bwd_preprocess)
 BACKWARD = Launcher(_attn_bwd)
 
@@ -630,8 +630,8 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
 def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
     """Start compiling the kernels that ``attention_backward`` will launch after a forward on these
     inputs (contiguous outputs and gradients, no gradient of lse; none where a launch tunes first), and where
-    the process may use STAND_IN_FROM_CPUS CPUs, those that stand in for the Gluon backward or the fused kernel
-    while it compiles (the halves: ``launch.standing_in``)."""
+    the process may use STAND_IN_FROM_CPUS CPUs, the halves that stand in for the fused kernel, or for the Gluon
+    backward where the Triton backward is split, while it compiles (``launch.standing_in``)."""
     stats_stride = _stats_stride(plan)
     out = Standin(q.dtype, q.shape)  # o, do and dq
     stats = Standin(torch.float32, (plan.batch * plan.heads, stats_stride))
@@ -660,12 +660,13 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
         if kernels is not FUSED or configs[0] is None or not stand_ins or not launcher(0)(configs[0],
                                                                                        BACKWARD.compiling):
             return
-    elif None in configs:
+        halves = [(configs[0], programs) for _, programs in SPLIT]
+    elif kernels is SPLIT and None not in configs:
+        # the Gluon backward's compile at head dim 64 ended 1.0-1.2 s after a new function's first forward on an
+        # H100 host, the halves' compiles 0.2-0.8 s after it; at 128 the fused kernel's halves compiled no faster than it
+        halves = [(cfg, programs) for cfg, (_, programs) in zip(configs, kernels)]
+    else:
         return
-    # the halves, with the fused kernel's config where it runs; for the Gluon backward too (at head dim 64 its
-    # compile ended ~1.2 s after a new function's first forward on an H100 host)
-    halves = [(configs[0], programs) for _, programs in SPLIT] if kernels is FUSED else [
-        (cfg, programs) for cfg, (_, programs) in zip(configs, kernels)]
     for cfg, programs in halves:
         launcher(programs)(cfg, BACKWARD.compile_ahead)
     plan.per_layout.setdefault("backward_stand_in" if gluon is None else "gluon_backward_stand_in",

@@ -44,7 +44,7 @@ from sparseflash.attention.triton.launch import STAND_IN_FROM_CPUS, Launcher, St
 from sparseflash.attention.triton.plan import LaunchPlan, gluon_kernels
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_head_parts, load_seed,
                                                 row_tile_ranges, second_part_columns, store_head_parts)
-from sparseflash.attention.triton.tuning import KernelConfig, planned, run_tuned
+from sparseflash.attention.triton.tuning import KernelConfig, candidates, planned, run_tuned
 
 
 @triton.jit(do_not_specialize=[*ROW_LENGTH_ARGS, *DROPOUT_ARGS])
@@ -135,10 +135,13 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     mods = plan.mods_table(list(captures))
-    if plan.gluon_forward and not _triton_stands_in(plan, q, k, v, o, lse, mods) and gluon_kernels("forward").launch(
-            plan, q, k, v, o, lse, mods):
+    stand_in = _triton_stand_in(plan, q, k, v, o, lse, mods) if plan.gluon_forward else None
+    if plan.gluon_forward and stand_in is None and gluon_kernels("forward").launch(plan, q, k, v, o, lse, mods):
         return o, lse
     dropout_args = plan.dropout_args(dropout)
+    if stand_in is not None:
+        _launch(plan, stand_in, q, k, v, o, lse, key_lengths, mods, dropout_args)
+        return o, lse
     name, launch = _kernel(plan)
     run_tuned(name, plan.config_key, lambda cfg: launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, dropout_args))
     return o, lse
@@ -148,27 +151,31 @@ def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, 
     """Start compiling the forward kernels that ``attention_forward`` on these inputs will launch (none
     where that launch tunes first): the Gluon forward where it runs and, where that compile is in flight and the
     process may use STAND_IN_FROM_CPUS CPUs, the Triton forward beside it, which stands in for it until it ends
-    (``_triton_stands_in``)."""
+    (``_triton_stand_in``)."""
     mods = plan.mods_table(list(captures))
     o, lse = Standin(q.dtype, q.shape), Standin(torch.float32, q.shape[:3])
     gluon = gluon_kernels("forward") if plan.gluon_forward else None
-    stand_in = False
     if gluon is not None and gluon.launch(plan, q, k, v, o, lse, mods, ahead=True):
-        stand_in = usable_cpus() >= STAND_IN_FROM_CPUS and gluon.compiling(plan, q, k, v, o, lse, mods)
-        if not stand_in:
+        if usable_cpus() < STAND_IN_FROM_CPUS or not gluon.compiling(plan, q, k, v, o, lse, mods):
             return
+        # the stand-in takes the first config that is not the persistent kernel's, whose warp specialisation
+        # compiles in ~1.6x the time (a window + score function at head dim 128: 2.25 against 1.43 s on a CPU)
+        cfg = next((c for c in candidates("forward", plan.config_key) if not c.persistent), None)
+        if cfg is not None:
+            _launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, plan.dropout_args(None, ahead=True), ahead=True)
+            plan.per_layout.setdefault("forward_stand_in", {})["stand_in"] = cfg
+        return
     name, launch = _kernel(plan)
     cfg = planned(name, plan.config_key)
     if cfg is not None:
         launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, plan.dropout_args(None, ahead=True), ahead=True)
-        if stand_in:
-            plan.per_layout.setdefault("forward_stand_in", {})["stand_in"] = True
 
 
-def _triton_stands_in(plan: LaunchPlan, q, k, v, o, lse, mods) -> bool:
-    """Whether the Triton forward runs in place of the Gluon forward on this call (``launch.standing_in``): from a
-    first call that compiled both ahead (``compile_forward_ahead``; a Gluon forward with mask or score functions
-    compiles in 3.6-4.4 s on an H100 host, the Triton forward in ~2.2) while the Gluon forward's compile ahead is
-    in flight. A call the Gluon forward cannot take (a layout TMA cannot read) ends it too."""
+def _triton_stand_in(plan: LaunchPlan, q, k, v, o, lse, mods) -> KernelConfig | None:
+    """The config of the Triton forward where it runs in place of the Gluon forward on this call
+    (``launch.standing_in``): from a first call that compiled both ahead (``compile_forward_ahead``; a Gluon
+    forward with mask or score functions compiles in 3.6-4.4 s on an H100 host, the Triton forward in 1.5-2.5)
+    while the Gluon forward's compile ahead is in flight; else None. A call the Gluon forward cannot take (a
+    layout TMA cannot read) ends it too."""
     return standing_in(plan.per_layout.get("forward_stand_in", {}),
-                       lambda _: gluon_kernels("forward").compiling(plan, q, k, v, o, lse, mods)) is not None
+                       lambda _: gluon_kernels("forward").compiling(plan, q, k, v, o, lse, mods))
