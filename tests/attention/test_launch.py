@@ -362,11 +362,34 @@ def test_a_first_forward_runs_the_triton_kernel_while_the_gluon_forward_compiles
                  "o of the Gluon forward")
 
 
+def _backwards_until_taken_over(q, k, v, score_mod, first_check, taken_over, stand_in: str, kernel: str) -> None:
+    """Backwards of calls on causal rows with ``score_mod``: the first (``first_check()`` after it: the stand-in ran),
+    then until ``taken_over()`` (at most 100 calls, 0.1 s apart), which must come; the first's gradients and the
+    last's against the reference."""
+    import sparseflash
+    from tests.helpers import assert_close
+
+    do = torch.randn_like(q)
+    o = sparseflash.attention(q.float(), k.float(), v.float(), "causal", score_mod=score_mod, backend="reference")
+    expected = torch.autograd.grad(o, (q, k, v), do.float())
+    grads = []
+    for _ in range(100):
+        o = sparseflash.attention(q, k, v, "causal", score_mod=score_mod)
+        grads.append(torch.autograd.grad(o, (q, k, v), do))
+        if len(grads) == 1:
+            first_check()
+        if taken_over():
+            break
+        time.sleep(0.1)
+    assert taken_over(), f"the {kernel} never took over"
+    for name, first, last, ref in zip("qkv", grads[0], grads[-1], expected):
+        assert_close(first.float(), ref, 2e-2, f"d{name} of the {stand_in}")
+        assert_close(last.float(), ref, 2e-2, f"d{name} of the {kernel}")
+
+
 @pytest.mark.gpu
 def test_a_first_backward_at_head_dim_128_runs_the_halves_while_the_fused_kernel_compiles():
-    import sparseflash
     from sparseflash.attention.triton import backward
-    from tests.helpers import assert_close
 
     if launch.usable_cpus() < launch.STAND_IN_FROM_CPUS:
         pytest.skip(f"the halves stand in on hosts of {launch.STAND_IN_FROM_CPUS} CPUs or more")
@@ -376,23 +399,12 @@ def test_a_first_backward_at_head_dim_128_runs_the_halves_while_the_fused_kernel
     def new_programs():  # the PROGRAMS of the backward kernels launched since ``before``
         return {dict(key[1])["PROGRAMS"] for key in set(backward.BACKWARD._compiled) - before}
 
+    def first_check():
+        assert new_programs() == {1, 2}, f"the first backward launched PROGRAMS {new_programs()}, not the halves"
+
     q, k, v = (torch.randn(2, 4, 700, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    do = torch.randn_like(q)
-    o = sparseflash.attention(q.float(), k.float(), v.float(), "causal", score_mod=score_mod, backend="reference")
-    expected = torch.autograd.grad(o, (q, k, v), do.float())
-    grads = []
-    for _ in range(100):  # the first backward, then until the fused kernel takes over
-        o = sparseflash.attention(q, k, v, "causal", score_mod=score_mod)
-        grads.append(torch.autograd.grad(o, (q, k, v), do))
-        if len(grads) == 1:
-            assert new_programs() == {1, 2}, f"the first backward launched PROGRAMS {new_programs()}, not the halves"
-        if 0 in new_programs():
-            break
-        time.sleep(0.1)
-    assert 0 in new_programs(), "the fused kernel never took over"
-    for name, first, last, ref in zip("qkv", grads[0], grads[-1], expected):
-        assert_close(first.float(), ref, 2e-2, f"d{name} of the halves")
-        assert_close(last.float(), ref, 2e-2, f"d{name} of the fused kernel")
+    _backwards_until_taken_over(q, k, v, score_mod, first_check, lambda: 0 in new_programs(), "halves",
+                                "fused kernel")
 
 
 @pytest.mark.gpu
@@ -400,10 +412,8 @@ def test_a_first_backward_runs_the_triton_halves_while_the_gluon_backward_compil
     """A new score function on causal rows the Gluon backward takes (head dim 64): the first backward runs the
     Triton backward's halves, compiled ahead beside the Gluon backward; a later one the Gluon backward; every
     gradient against the reference."""
-    import sparseflash
     from sparseflash.attention.triton import backward, backward_gluon
     from sparseflash.attention.triton.launch import gluon_hopper
-    from tests.helpers import assert_close
 
     if not gluon_hopper(torch.device("cuda")) or launch.usable_cpus() < launch.STAND_IN_FROM_CPUS:
         pytest.skip(f"the halves stand in on Hopper hosts of {launch.STAND_IN_FROM_CPUS} CPUs or more")
@@ -419,25 +429,15 @@ def test_a_first_backward_runs_the_triton_halves_while_the_gluon_backward_compil
     monkeypatch.setattr(backward_gluon, "launch", spied)
     score_mod = _new_score_mod()
     before = set(backward.BACKWARD._compiled)
+
+    def first_check():
+        programs = {dict(key[1])["PROGRAMS"] for key in set(backward.BACKWARD._compiled) - before}
+        assert not launched and programs == {1, 2}, (
+            f"the first backward launched the Gluon backward ({launched}) or PROGRAMS {programs}, not the halves")
+
     q, k, v = (torch.randn(2, 4, 2048, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    do = torch.randn_like(q)
-    o = sparseflash.attention(q.float(), k.float(), v.float(), "causal", score_mod=score_mod, backend="reference")
-    expected = torch.autograd.grad(o, (q, k, v), do.float())
-    grads = []
-    for _ in range(100):  # the first backward, then until the Gluon backward takes over
-        o = sparseflash.attention(q, k, v, "causal", score_mod=score_mod)
-        grads.append(torch.autograd.grad(o, (q, k, v), do))
-        if len(grads) == 1:
-            programs = {dict(key[1])["PROGRAMS"] for key in set(backward.BACKWARD._compiled) - before}
-            assert not launched and programs == {1, 2}, (
-                f"the first backward launched the Gluon backward ({launched}) or PROGRAMS {programs}, not the halves")
-        if launched:
-            break
-        time.sleep(0.1)
-    assert launched == [True], "the Gluon backward never took over"
-    for name, first, last, ref in zip("qkv", grads[0], grads[-1], expected):
-        assert_close(first.float(), ref, 2e-2, f"d{name} of the halves")
-        assert_close(last.float(), ref, 2e-2, f"d{name} of the Gluon backward")
+    _backwards_until_taken_over(q, k, v, score_mod, first_check, lambda: launched == [True], "halves",
+                                "Gluon backward")
 
 
 def test_a_plan_keeps_a_bounded_number_of_mods_tables():

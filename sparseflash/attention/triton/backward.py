@@ -663,7 +663,7 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
         halves = [(configs[0], programs) for _, programs in SPLIT]
     elif kernels is SPLIT and None not in configs:
         # the Gluon backward's compile at head dim 64 ended 1.0-1.2 s after a new function's first forward on an
-        # H100 host, the halves' compiles 0.2-0.8 s after it; at 128 the fused kernel's halves compiled no faster than it
+        # H100 host, the halves' 0.2-0.8 s after it; at 128 the fused kernel's halves compiled no faster than it
         halves = [(cfg, programs) for cfg, (_, programs) in zip(configs, kernels)]
     else:
         return
