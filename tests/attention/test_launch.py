@@ -300,6 +300,72 @@ def test_a_stand_in_runs_while_the_kernel_it_stands_in_for_compiles():
     assert launch.standing_in(state, compiling) is None and asked == []
 
 
+def test_a_compile_ahead_that_hangs_stops_counting_as_in_flight(monkeypatch):
+    """A stand-in waits on ``Launcher.compiling``: a child past AHEAD_TIMEOUT_SECONDS is not in flight any more
+    (the launch then waits for it and kills it), so no stand-in runs for good."""
+    launcher = launch.Launcher(None)
+    launcher._direct = True
+    monkeypatch.setattr(launch.Launcher, "_key", staticmethod(lambda tensors, scalars, constexprs: "key"))
+    child = forked.Child(pid=-1)
+    launcher._ahead["key"] = child
+    assert launcher.compiling((1,), (), (), {})
+    child.started -= launch.AHEAD_TIMEOUT_SECONDS
+    assert not launcher.compiling((1,), (), (), {})
+
+
+@pytest.mark.parametrize("do_layout", ["contiguous", "misaligned"])
+def test_the_gluon_backwards_compiling_check_keys_the_launch_its_compile_ahead_keyed(do_layout, monkeypatch):
+    """``backward_gluon.compiling`` asks the Launcher about the key of the compile ahead ``compile_ahead`` made,
+    for the real inputs of a backward (a misaligned dO is read from a copy, which TMA reads)."""
+    from sparseflash.attention.triton import backward, backward_gluon
+    from sparseflash.attention.triton.plan import LaunchPlan
+    from sparseflash.masks import make
+
+    asked = []
+    monkeypatch.setattr(launch, "driver", SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0)))
+    monkeypatch.setattr(backward_gluon, "BACKWARD_GLUON", SimpleNamespace(
+        compile_ahead=lambda *arguments: asked.append(launch.Launcher._key(*arguments[1:])),
+        compiling=lambda *arguments: asked.append(launch.Launcher._key(*arguments[1:])) or True))
+    monkeypatch.setattr(backward_gluon, "LSE2_LESS_ROWS", SimpleNamespace(compile_ahead=lambda *arguments: None))
+    q = torch.randn(2, 4, 512, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 512, 64, dtype=torch.bfloat16) for _ in range(2))
+    plan = LaunchPlan.of(q, k, make("causal", 512), False, 64 ** -0.5)
+    stats_stride = backward._stats_stride(plan)
+    mods = plan.mods_table([])
+    stats = launch.Standin(torch.float32, (2 * 4, stats_stride))
+    assert backward_gluon.compile_ahead(plan, q, k, v, mods, stats, stats_stride)
+    do = torch.randn_like(q)
+    if do_layout == "misaligned":
+        do = torch.randn(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+        assert do.data_ptr() % 16
+    assert backward_gluon.compiling(plan, q, k, v, do, mods, stats_stride)
+    assert len(asked) == 2 and asked[0] == asked[1]
+
+
+def test_a_misaligned_output_gradient_reaches_the_kernels_as_an_aligned_copy(monkeypatch):
+    """The kernels compiled ahead take a contiguous, 16-byte aligned dO: a misaligned one (a view) is copied
+    first, not specialised on anew; the gradients are those of the aligned values."""
+    import sparseflash
+    from sparseflash.attention.triton import backward
+
+    seen = []
+
+    def spied(plan, programs, q, k, v, do, *args, _original=backward._launcher, **kwargs):
+        seen.append(do.data_ptr() % 16)
+        return _original(plan, programs, q, k, v, do, *args, **kwargs)
+
+    monkeypatch.setattr(backward, "_launcher", spied)
+    q, k, v = (torch.randn(1, 2, 64, 32, requires_grad=True) for _ in range(3))
+    aligned = torch.randn(1, 2, 64, 32)
+    misaligned = torch.empty(aligned.numel() + 1)[1:].view(aligned.shape).copy_(aligned)
+    assert misaligned.data_ptr() % 16
+    grads = [torch.autograd.grad(sparseflash.attention(q, k, v, "causal", backend="triton"), (q, k, v), do)
+             for do in (aligned, misaligned)]
+    assert seen and not any(seen), f"a kernel read dO at an address 16 bytes do not align: {seen}"
+    for name, first, second in zip("qkv", *grads):
+        assert torch.equal(first, second), f"d{name} differs with a misaligned dO"
+
+
 def test_the_triton_forward_stands_in_for_the_gluon_forward_until_it_is_compiled(monkeypatch):
     from sparseflash.attention.triton import forward, forward_gluon
     from sparseflash.attention.triton.tuning import KernelConfig

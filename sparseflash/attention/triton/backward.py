@@ -588,10 +588,11 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
     (``captures``, as ``plan.captures`` gives them; None for those that do not require grad);
     ``key_lengths`` as ``plan.key_lengths_arg`` gives it; ``dropout``: the forward's ``Dropout`` where the
     plan has one, else None."""
-    if do.stride(-1) != 1:
-        # e.g. o.sum()'s gradient, expanded (strides 0): the kernels compiled ahead for a contiguous do would be
-        # specialised anew for these strides (seconds on a first call), so they read a contiguous copy
-        do = do.contiguous()
+    if do.stride(-1) != 1 or do.data_ptr() % 16:
+        # e.g. o.sum()'s gradient, expanded (strides 0), or a view 16 bytes do not align: the kernels compiled
+        # ahead for a contiguous, aligned do would be specialised anew for it (seconds on a first call), so they
+        # read a contiguous copy (a fresh one: a misaligned do may be contiguous)
+        do = do.clone(memory_format=torch.contiguous_format)
     stats_stride = _stats_stride(plan)
     delta, lse2 = torch.empty((2, plan.batch * plan.heads, stats_stride), dtype=torch.float32, device=q.device)
     _preprocess(plan, o, do, lse, dlse, delta, lse2, stats_stride)

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from concurrent.futures import Future, TimeoutError
 from typing import Callable
@@ -29,11 +30,13 @@ class ChildFailed(RuntimeError):
 
 
 class Child(Future):
-    """A ``Future`` of a forked child: None once the child's task returned, else ``ChildFailed``."""
+    """A ``Future`` of a forked child: None once the child's task returned, else ``ChildFailed``; ``started``:
+    when it was forked (``time.monotonic()``)."""
 
     def __init__(self, pid: int):
         super().__init__()
         self.pid = pid
+        self.started = time.monotonic()
 
 
 def available() -> bool:

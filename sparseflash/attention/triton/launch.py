@@ -19,6 +19,7 @@ import functools
 import math
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -226,11 +227,12 @@ class Launcher:
     def compiling(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> bool:
         """Whether a compile ahead for a launch with these arguments is in flight (a launch now would wait for
         it): what a faster kernel standing in for this one waits on. False where none was started (a compiled
-        kernel, a launch differing only in its scalars, no fork) and once it has ended, failed or not."""
+        kernel, a launch differing only in its scalars, no fork), once it has ended, failed or not, and once it
+        has run AHEAD_TIMEOUT_SECONDS (a child that hangs: the launch then waits as long again and kills it)."""
         if not self._direct:
             return False
         ahead = self._ahead.get(self._key(tensors, scalars, constexprs))
-        return ahead is not None and not ahead.done()
+        return ahead is not None and not ahead.done() and time.monotonic() - ahead.started < AHEAD_TIMEOUT_SECONDS
 
     def compile_ahead(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> None:
         """Start compiling, in a child process, the kernel that a launch with these arguments needs
