@@ -639,36 +639,33 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
     _preprocess(plan, out, out, Standin(torch.float32, q.shape[:3]), None, stats, stats, stats_stride, ahead=True)
     mods = plan.mods_table(list(captures))
     stand_ins = usable_cpus() >= STAND_IN_FROM_CPUS
-    gluon = gluon_kernels("backward") if plan.gluon_backward else None
-    if gluon is not None and gluon.compile_ahead(plan, q, k, v, mods, stats, stats_stride):
-        if not stand_ins or not gluon.compiling(plan, q, k, v, out, mods, stats_stride):
-            return
-    else:
-        gluon = None
 
     def launcher(programs: int):
         return _launcher(plan, programs, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape),
                          Standin(v.dtype, v.shape), key_lengths, mods, stats_stride, plan.dropout_args(None, ahead=True))
 
+    def stand_in(state: str, halves: list) -> None:  # compile the halves ahead; they stand in from the next call
+        for cfg, programs in halves:
+            launcher(programs)(cfg, BACKWARD.compile_ahead)
+        plan.per_layout.setdefault(state, {})["stand_in"] = halves
+
     kernels = _kernels(plan)
-    configs = [planned(kernel, plan.config_key) for kernel, _ in kernels]
-    if gluon is None:
-        for cfg, (_, programs) in zip(configs, kernels):
-            if cfg is not None:
-                launcher(programs)(cfg, BACKWARD.compile_ahead)
+    gluon = gluon_kernels("backward") if plan.gluon_backward else None
+    if gluon is not None and gluon.compile_ahead(plan, q, k, v, mods, stats, stats_stride):
+        # the halves stand in where the Triton backward is split: at head dim 64 the Gluon backward's compile
+        # ended 1.0-1.2 s after a new function's first forward on an H100 host, the halves' 0.2-0.8 s after it; at
+        # 128 the fused kernel's halves compiled no faster than it
+        configs = [planned(kernel, plan.config_key) for kernel, _ in SPLIT]
+        if kernels is SPLIT and None not in configs and stand_ins and gluon.compiling(plan, q, k, v, out, mods,
+                                                                                       stats_stride):
+            stand_in("gluon_backward_stand_in", [(cfg, programs) for cfg, (_, programs) in zip(configs, SPLIT)])
+        return
+    for kernel, programs in kernels:
+        cfg = planned(kernel, plan.config_key)
+        if cfg is None:
+            continue
+        launcher(programs)(cfg, BACKWARD.compile_ahead)
         # the halves stand in for the fused kernel only while its compile is in flight: a launch differing from a
         # compiled one only in its scalars, or a process that cannot fork, started none
-        if kernels is not FUSED or configs[0] is None or not stand_ins or not launcher(0)(configs[0],
-                                                                                       BACKWARD.compiling):
-            return
-        halves = [(configs[0], programs) for _, programs in SPLIT]
-    elif kernels is SPLIT and None not in configs:
-        # the Gluon backward's compile at head dim 64 ended 1.0-1.2 s after a new function's first forward on an
-        # H100 host, the halves' 0.2-0.8 s after it; at 128 the fused kernel's halves compiled no faster than it
-        halves = [(cfg, programs) for cfg, (_, programs) in zip(configs, kernels)]
-    else:
-        return
-    for cfg, programs in halves:
-        launcher(programs)(cfg, BACKWARD.compile_ahead)
-    plan.per_layout.setdefault("backward_stand_in" if gluon is None else "gluon_backward_stand_in",
-                               {})["stand_in"] = halves
+        if programs == 0 and stand_ins and launcher(0)(cfg, BACKWARD.compiling):
+            stand_in("backward_stand_in", [(cfg, half) for _, half in SPLIT])
