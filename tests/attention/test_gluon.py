@@ -80,12 +80,12 @@ def _spy_launches(monkeypatch) -> dict[str, list[bool]]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("dim", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("dim", [64, 128, 256], ids=["d64", "d128", "d256"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("pattern", list(MASKS))
 def test_gpu_gluon_kernels_match_reference(pattern, shape, dim, dtype, monkeypatch):
     """o, lse and the gradients against the reference; GQA (4 query heads on 2 key/value heads); the Gluon
-    forward and backward launched for every call (SPARSEFLASH_GLUON=1)."""
+    forward and (head dims 64 and 128) backward launched for every call (SPARSEFLASH_GLUON=1)."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
@@ -93,7 +93,15 @@ def test_gpu_gluon_kernels_match_reference(pattern, shape, dim, dtype, monkeypat
     mask = MASKS[pattern](q.shape[2], k.shape[2], q.shape[1])
     launched = _spy_launches(monkeypatch)
     check_backend("triton", q, k, v, mask, do)
-    assert all(launched.values()) and all(map(all, launched.values())), f"a Gluon kernel did not run: {launched}"
+    _assert_gluon_ran(launched, dim)
+
+
+def _assert_gluon_ran(launched: dict[str, list[bool]], dim: int) -> None:
+    """Every call ran the Gluon forward, and the Gluon backward where it takes the head dim (the Triton backward
+    computes head dim 256 from the Gluon forward's lse)."""
+    expected = {"forward": True, "backward": dim in backward_gluon.TILES}
+    ran = {direction: bool(calls) and all(calls) for direction, calls in launched.items()}
+    assert ran == expected and (expected["backward"] or not launched["backward"]), f"launched: {launched}"
 
 
 def _with_functions(case: str, seq_len: int, heads: int):
@@ -145,7 +153,8 @@ FUNCTION_CASES = ["window", "documents", "causal-as-mask_mod", "empty-rows", "bu
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim, dtype", [(64, torch.float16), (128, torch.bfloat16)], ids=["d64-fp16", "d128-bf16"])
+@pytest.mark.parametrize("dim, dtype", [(64, torch.float16), (128, torch.bfloat16), (256, torch.bfloat16)],
+                         ids=["d64-fp16", "d128-bf16", "d256-bf16"])
 @pytest.mark.parametrize("case", FUNCTION_CASES)
 def test_gpu_gluon_kernels_with_functions_match_reference(case, dim, dtype, monkeypatch):
     """Mask and score functions in the Gluon kernels, against the reference: o, lse, dq, dk, dv (and a learnable
@@ -163,7 +172,8 @@ def test_gpu_gluon_kernels_with_functions_match_reference(case, dim, dtype, monk
     if case in ("empty-rows", "query-padding"):
         assert torch.all(got.o[:, :, 130:300] == 0) and torch.all(got.dq[:, :, 130:300] == 0)
     assert bool(launched["forward"]) is (case != "softcap") and all(launched["forward"]), launched
-    assert bool(launched["backward"]) is (case != "learnable-bias") and all(launched["backward"]), launched
+    assert bool(launched["backward"]) is (case != "learnable-bias" and dim in backward_gluon.TILES) and all(
+        launched["backward"]), launched
 
 
 @pytest.mark.gpu
@@ -278,20 +288,23 @@ def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("case, forward, backward", [
     ("dense", True, True), ("causal", True, True), ("butterfly", True, True), ("local-causal-256", True, True),
-    ("fp32", False, False), ("d96", False, False), ("d256", False, False), ("q192", False, True),
+    ("fp32", False, False), ("d96", False, False), ("d256", True, False), ("d256-kv320", True, False),
+    ("d256-kv288", False, False), ("q192", False, True),
     ("d64-q192", False, False), ("d64-q384", True, True),
     ("q200", False, False), ("kv300", False, False), ("blocks-64", False, False), ("ragged-last-block", False, False),
     ("key-lengths", False, False), ("dropout", False, False), ("trained-captures", True, False),
     ("special-per-score", False, True),
 ], ids=str)
 def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
-    """fp16/bf16 of head dim 64 or 128, lengths that the tiles divide (forward: 128 and 128 rows, backward:
-    64 queries at head dim 128, 128 at 64, and 128 keys), SPARSE blocks that the tiles divide and that divide
+    """fp16/bf16 of head dim 64, 128 or 256 (the backward 64 or 128), lengths that the tiles divide (forward:
+    128 queries and 128 keys, 64 at head dim 256; backward: 64 queries at head dim 128, 128 at 64, and 128
+    keys), SPARSE blocks that the tiles divide and that divide
     the lengths, no key_lengths or dropout; the forward no score function that evaluates exp, log, tanh or sqrt
     per score, the backward none whose captured tensors take gradients (SPARSEFLASH_GLUON=1; the GPU and Triton
     are ``gluon_hopper``'s)."""
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     shapes = dict(fp32=dict(dtype=torch.float32), d96=dict(dim=96), d256=dict(dim=256), q192=dict(q_len=192),
+                  **{"d256-kv320": dict(kv_len=320, dim=256), "d256-kv288": dict(kv_len=288, dim=256)},
                   **{"d64-q192": dict(q_len=192, dim=64), "d64-q384": dict(q_len=384, dim=64)},
                   q200=dict(q_len=200), kv300=dict(kv_len=300))
     q, k = _plan_inputs(**shapes.get(case, {}))
@@ -320,6 +333,10 @@ def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
                                  False)
     causal = make("causal", 256)
     assert forward_gluon.applies(*_plan_inputs(), causal, forward_gluon.AUTO_ROW_KEYS[128, True], False, False, False)
+    for is_causal, pattern in ((False, mask), (True, causal)):
+        keys = forward_gluon.AUTO_ROW_KEYS[256, is_causal]
+        assert forward_gluon.applies(*_plan_inputs(dim=256), pattern, keys, False, False, False)
+        assert not forward_gluon.applies(*_plan_inputs(dim=256), pattern, keys - 64, False, False, False)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     assert forward_gluon.applies(*_plan_inputs(), mask, few, False, False, False)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "0")
@@ -343,8 +360,8 @@ def test_gluon_backward_auto_takes_rows_of_many_keys(monkeypatch):
 
 
 def test_the_gluon_kernels_compile_for_hopper_without_a_gpu(tmp_path):
-    """Each case of ``sm90_compile.cases`` (forward and backward, head dims 64 and 128, causal, ALiBi,
-    soft-capping, a document mask_mod with rows of unequal lengths) compiles through ptxas for sm_90a from the
+    """Each case of ``sm90_compile.cases`` (forward at head dims 64, 128 and 256, backward at 64 and 128, causal,
+    ALiBi, soft-capping, a document mask_mod with rows of unequal lengths) compiles through ptxas for sm_90a from the
     arguments its ``launch`` builds, in a child process without the interpreter: what a run without a GPU can
     check of kernels it cannot run (an argument the kernel does not take, a name it does not define, a helper
     Gluon cannot compile)."""

@@ -474,10 +474,12 @@ def test_a_first_backward_at_head_dim_128_runs_the_halves_while_the_fused_kernel
 
 
 @pytest.mark.gpu
-def test_a_first_backward_runs_the_triton_halves_while_the_gluon_backward_compiles(monkeypatch):
-    """A new score function on causal rows the Gluon backward takes (head dim 64): the first backward runs the
-    Triton backward's halves, compiled ahead beside the Gluon backward; a later one the Gluon backward; every
-    gradient against the reference."""
+@pytest.mark.parametrize("dim", [64, 128], ids=["d64", "d128"])
+def test_a_first_backward_runs_the_triton_halves_while_the_gluon_backward_compiles(dim, monkeypatch):
+    """A new score function on causal rows the Gluon backward takes: the first backward runs the Triton
+    backward's halves (head dim 64: the split kernel's configs; 128: ``backward.GLUON_STAND_IN``'s small tiles),
+    compiled ahead beside the Gluon backward; a later one the Gluon backward; every gradient against the
+    reference."""
     from sparseflash.attention.triton import backward, backward_gluon
     from sparseflash.attention.triton.launch import gluon_hopper
 
@@ -497,11 +499,17 @@ def test_a_first_backward_runs_the_triton_halves_while_the_gluon_backward_compil
     before = set(backward.BACKWARD._compiled)
 
     def first_check():
-        programs = {dict(key[1])["PROGRAMS"] for key in set(backward.BACKWARD._compiled) - before}
+        halves = [dict(key[1]) for key in set(backward.BACKWARD._compiled) - before]
+        programs = {half["PROGRAMS"] for half in halves}
         assert not launched and programs == {1, 2}, (
             f"the first backward launched the Gluon backward ({launched}) or PROGRAMS {programs}, not the halves")
+        if dim == 128:
+            small = backward.GLUON_STAND_IN
+            assert all((half["BLOCK_M"], half["BLOCK_N"], half["num_warps"]) == (small.block_m, small.block_n,
+                                                                                 small.num_warps) for half in halves)
 
-    q, k, v = (torch.randn(2, 4, 2048, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, 2048, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
     _backwards_until_taken_over(q, k, v, score_mod, first_check, lambda: launched == [True], "halves",
                                 "Gluon backward")
 

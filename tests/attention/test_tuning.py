@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+import triton
 
 from sparseflash.attention.triton import forward_persistent, tuning
 from sparseflash.masks import make
@@ -87,6 +88,61 @@ def test_without_a_request_nothing_is_tuned_and_the_first_candidate_runs(tunings
     key = _key(1024, "causal")
     assert tuning.run_tuned("forward", key, lambda cfg: None) == tuning.candidates("forward", key)[0]
     assert tunings == [] and not (tuning._cache_path()).exists()
+
+
+def _fits_only(*fitting: tuning.KernelConfig):
+    """A launch that records its configs and runs only ``fitting`` ones (the others: out of shared memory)."""
+    tried = []
+
+    def launch(cfg):
+        tried.append(cfg)
+        if cfg not in fitting:
+            raise triton.runtime.errors.OutOfResources(262144, 232448, "shared memory")
+
+    return launch, tried
+
+
+def test_a_first_candidate_that_does_not_fit_gives_way_to_the_next_that_fits(tunings, monkeypatch):
+    """Untuned, the first candidate out of shared memory (a variant the candidates were not ordered for): the
+    next that fits runs, then on every launch; none fits: an error listing them."""
+    monkeypatch.delenv("SPARSEFLASH_TUNE")
+    key = _key(1024, "causal", head_dim=256)
+    options = tuning.candidates("dq", key)
+    assert len(options) >= 3
+    launch, tried = _fits_only(options[2])
+    assert tuning.run_tuned("dq", key, launch) == options[2]
+    assert tuning.run_tuned("dq", key, launch) == options[2]
+    assert tried == [*options[:3], options[2]] and tunings == []
+    launch, tried = _fits_only()
+    with pytest.raises(RuntimeError, match="no kernel config fits this GPU"):
+        tuning.run_tuned("dq", _key(4096, "causal", head_dim=256), launch)
+
+
+def test_a_score_function_whose_captures_train_has_a_key_of_its_own():
+    """Its backward adds the captured tensors' gradients (more shared memory): a config chosen for the same
+    function with frozen captures must not be taken for it."""
+    from sparseflash.attention.score_mods import make_score_mod
+    from sparseflash.attention.triton.plan import LaunchPlan
+    from sparseflash.masks.functions import trace
+
+    q = torch.empty(1, 4, 256, 64)
+    bias = make_score_mod("relative_bias", 4, max_distance=16)
+    keys = {}
+    for trained in (False, True):
+        bias.table.requires_grad_(trained)
+        graph = trace(bias, "score_mod")
+        keys[trained] = LaunchPlan.of(q, q, make("causal", 256), False, 0.125, graph).config_key
+    assert keys[False].mods == "score" and keys[True].mods == "score+grads"
+
+
+def test_a_pinned_config_that_does_not_fit_reports(tunings, monkeypatch):
+    key = _key(1024, "causal", head_dim=256)
+    pinned = tuning.candidates("dq", key)[0]
+    tuning.pin("dq", key, pinned)
+    launch, tried = _fits_only(*tuning.candidates("dq", key)[1:])
+    with pytest.raises(triton.runtime.errors.OutOfResources):
+        tuning.run_tuned("dq", key, launch)
+    assert tried == [pinned]
 
 
 def test_tuned_block_tunes_new_keys(tunings, monkeypatch):

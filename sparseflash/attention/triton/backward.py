@@ -50,7 +50,7 @@ from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, dropout_kept_tile,
                                                listed_block, load_head_parts, load_part, load_seed, mma, mod_positions,
                                                modded_scores, row_term, row_tile_ranges, second_part_columns,
                                                store_head_parts, store_part, tile_start)
-from sparseflash.attention.triton.tuning import KernelConfig, planned, run_tuned
+from sparseflash.attention.triton.tuning import KernelConfig, fit, planned, run_tuned
 
 
 @triton.jit(do_not_specialize=["q_len"])
@@ -522,7 +522,11 @@ FUSED, SPLIT = [("backward", 0)], [("dkdv", 1), ("dq", 2)]
 # on an H100 host). A first call also compiles the halves ahead, each in a process of its own beside it,
 # and its backward runs them, with the fused kernel's config, until the fused kernel is compiled: where the
 # host has the cores to compile them all at once (``launch.STAND_IN_FROM_CPUS``; docs/kernels.md, "The first
-# call"). Where the Triton backward is split, its halves stand in for the Gluon backward alike.
+# call"). Its halves stand in for the Gluon backward alike: with the split kernel's configs where the Triton
+# backward is split, else (head dim 128) with GLUON_STAND_IN's small tiles, which compile sooner than the Gluon
+# backward (sm_90a on a CPU, with a score function: dK/dV 1.2 s, dQ 0.9 s, the Gluon backward 2.0 s; the fused
+# kernel's config 2.0 and 1.3 s, no sooner).
+GLUON_STAND_IN = KernelConfig(64, 32, 4, 2)
 PREPROCESS = Launcher(_bwd_preprocess)
 BACKWARD = Launcher(_attn_bwd)
 
@@ -631,8 +635,8 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
 def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:
     """Start compiling the kernels that ``attention_backward`` will launch after a forward on these
     inputs (contiguous outputs and gradients, no gradient of lse; none where a launch tunes first), and where
-    the process may use STAND_IN_FROM_CPUS CPUs, the halves that stand in for the fused kernel, or for the Gluon
-    backward where the Triton backward is split, while it compiles (``launch.standing_in``)."""
+    the process may use STAND_IN_FROM_CPUS CPUs, the halves that stand in for the fused kernel or the Gluon
+    backward while it compiles (``launch.standing_in``)."""
     stats_stride = _stats_stride(plan)
     out = Standin(q.dtype, q.shape)  # o, do and dq
     stats = Standin(torch.float32, (plan.batch * plan.heads, stats_stride))
@@ -652,12 +656,11 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
     kernels = _kernels(plan)
     gluon = gluon_kernels("backward") if plan.gluon_backward else None
     if gluon is not None and gluon.compile_ahead(plan, q, k, v, mods, stats, stats_stride):
-        # the halves stand in where the Triton backward is split: at head dim 64 the Gluon backward's compile
-        # ended 1.0-1.2 s after a new function's first forward on an H100 host, the halves' 0.2-0.8 s after it; at
-        # 128 the fused kernel's halves compiled no faster than it
-        configs = [planned(kernel, plan.config_key) for kernel, _ in SPLIT]
-        if kernels is SPLIT and None not in configs and stand_ins and gluon.compiling(plan, q, k, v, out, mods,
-                                                                                       stats_stride):
+        # at head dim 64 the Gluon backward's compile ended 1.0-1.2 s after a new function's first forward on an
+        # H100 host, the halves' 0.2-0.8 s after it
+        configs = [planned(kernel, plan.config_key) if kernels is SPLIT else
+                   fit(kernel, GLUON_STAND_IN, plan.config_key) for kernel, _ in SPLIT]
+        if None not in configs and stand_ins and gluon.compiling(plan, q, k, v, out, mods, stats_stride):
             stand_in("gluon_backward_stand_in", [(cfg, programs) for cfg, (_, programs) in zip(configs, SPLIT)])
         return
     for kernel, programs in kernels:

@@ -74,6 +74,7 @@ from sparseflash.attention.triton.tiles import key_steps, modded_scores, row_ter
 BLOCK_M = {128: 64, 64: 128}  # query rows of a streamed tile, by head dim (FlashAttention-4's)
 DQ_ROWS = 64  # query rows of a dQ tile a consumer warpgroup adds
 BLOCK_N = 128  # keys a program holds, 64 a consumer warpgroup
+TILES = {dim: (rows, BLOCK_N) for dim, rows in BLOCK_M.items()}  # (query, key) tiles by head dim
 STAGES = 2  # Q/dO buffers: with the dS^T and dQ staging buffers they fill shared memory (198-199 KB)
 # "auto" takes it from this mean number of keys a query row walks. On an H100 it ran 1.04-1.28x the Triton
 # backward at or above it at head dims 64 and 128, 0.84-1.04x below (docs/results/h100_gluon_backward)
@@ -349,8 +350,8 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
     admits): ``gluon_tools.takes`` them, no tensor a score function captures takes a gradient
     (``trains_captures``: this kernel computes none), and with "auto", rows of ``row_keys`` keys on average,
     at least AUTO_ROW_KEYS. The layouts are checked at launch."""
-    return not trains_captures and gluon_tools.chosen(q, k, mask, (BLOCK_M.get(q.shape[3], 64), BLOCK_N), row_keys,
-                                                      AUTO_ROW_KEYS, has_key_lengths, dropout)
+    return not trains_captures and gluon_tools.chosen(q, k, mask, TILES, row_keys, AUTO_ROW_KEYS, has_key_lengths,
+                                                      dropout)
 
 
 # ---------------------------------------------------------------------------------- launcher

@@ -7,7 +7,9 @@ a program, the GPU handing out the next as one ends. Two warpgroups and a warp:
   producer   one warp (24 registers a thread) loads each item's Q (two 64-row halves) once both consumers are
              done with the last one (``q_empty``), then each key tile's K and V by TMA into a ring of
              STAGES buffers that runs on from item to item; ``ready`` mbarriers say a buffer is full,
-             ``empty`` ones (two arrivals, one per consumer) that it may be refilled.
+             ``empty`` ones (two arrivals, one per consumer) that it may be refilled: ``v_empty`` once
+             tile j's P V is done, and K's buffer with it unless K_EARLY, where ``k_empty`` frees it once
+             tile j's scores are.
   consumers  two warpgroups of 64 query rows each. Each issues tile j's scores S_j = Q K_j^T and the
              previous tile's P_{j-1} V_{j-1} together, waits for S_j only and computes the softmax of
              tile j while P_{j-1} V_{j-1} still runs on the tensor cores (the overlap inside a
@@ -23,12 +25,15 @@ Constexpr flags:
   IS_CAUSAL      SPARSE only: the partial blocks are cut by q_idx >= kv_idx (top-left alignment).
   MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW  the generated helpers (codegen.py) as in forward.py, or None:
                  MASK_MOD cuts the partial blocks too; a score function gives the tiles' base-2 scores.
-  BLOCK_N        key rows of a tile (128); the query tile is 2 x 64 rows.
+  BLOCK_N        key rows of a tile (``KEY_TILE``: 128, 64 at head dim 256); the query tile is 2 x 64 rows.
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
-  HEAD_DIM       64 or 128, the real head dim (no padding).
-  STAGES         K/V buffers (>= 3: a consumer waits for K_{j+1} before it releases the buffers of
-                 tile j-1, so that the wait's branch sits between the softmax and the wait for PV_{j-1}:
-                 without one, ptxas hoists that wait above the softmax).
+  HEAD_DIM       64, 128 or 256, the real head dim (no padding).
+  STAGES         K/V buffers. A consumer waits for K_{j+1} before it releases V_{j-1}, so that the wait's
+                 branch sits between the softmax and the wait for PV_{j-1} (without one, ptxas hoists that
+                 wait above the softmax): with 3 or more buffers K_{j+1} goes where tile j-2 was; with 2
+                 (head dim 256, whose 64 KiB of Q and 64 KiB a stage leave room for no third), K_EARLY.
+  K_EARLY        STAGES < 3: K's buffer of tile j is released as soon as S_j is computed, so that K_{j+1}
+                 can load into tile j-1's while P_{j-1} V_{j-1} still reads V_{j-1}.
 
 Scores in base 2 as in forward.py: s * qk_scale with qk_scale = scale * log2(e) (SCORE_MOD's scores as they
 are); lse = (m + log2 l + row term) ln 2; a row that sees no key (SPARSE, or a score function's -inf: the
@@ -37,8 +42,8 @@ of no tile still gets one: the producer loads the first tile its walk would take
 at its table's first entry, a padding entry) and the consumers mask all of it, so that every loop has a
 first tile to peel.
 
-Applies (``applies``) on Hopper (capability 9.x) with Triton >= 3.6 to fp16/bf16 inputs of head dim 64
-or 128, lengths that 128 divides, SPARSE blocks that 128 divides and that divide the lengths, no
+Applies (``applies``) on Hopper (capability 9.x) with Triton >= 3.6 to fp16/bf16 inputs of head dim 64,
+128 or 256, lengths that the tiles divide, SPARSE blocks that the tiles divide and that divide the lengths, no
 key_lengths or dropout, no score function that evaluates exp, log, tanh or sqrt per score, and layouts TMA
 can read (``forward_persistent.row_view_rows``).
 ``SPARSEFLASH_GLUON``: "auto" (default) where it was measured faster than the Triton forward (rows of
@@ -66,13 +71,18 @@ from sparseflash.masks import MaskKind
 
 HALF_M = 64  # query rows of a consumer warpgroup
 BLOCK_M = 2 * HALF_M
-BLOCK_N = 128
-STAGES = {64: 4, 128: 3}  # K/V buffers by head dim: 3 fill Hopper's shared memory at 128
+# key rows of a tile and K/V buffers by head dim: 3 of 128 rows fill Hopper's shared memory at 128, 2 of 64 at
+# 256 (beside Q's 64 KiB); at 256 a consumer's O (128 registers a thread) leaves room for scores of 64 keys only
+KEY_TILE = {64: 128, 128: 128, 256: 64}
+STAGES = {64: 4, 128: 3, 256: 2}
+TILES = {dim: (BLOCK_M, keys) for dim, keys in KEY_TILE.items()}  # (query, key) tiles by head dim
 # "auto" takes it from this mean number of keys a query row walks, by head dim and whether the mask is
 # CAUSAL. On an H100 it ran 1.01-1.33x the Triton forward at or above them, 0.62-0.97x below (one item
 # a program: three warpgroups to start and a pipeline to fill for each); the Triton forward's CAUSAL at
-# head dim 128 is weaker (1.07x from 576 keys).
-AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, False): 4096}
+# head dim 128 is weaker (1.07x from 576 keys). At head dim 256 (64-key tiles, Triton's forward weaker there):
+# 1.11-1.32x from 320 keys, 0.99x at 192-256.
+AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, False): 4096, (256, True): 256,
+                 (256, False): 512}
 UNEQUAL_ROWS = 1.25  # SPARSE rows whose longest has this many times the mean blocks: one work item a program
 
 
@@ -175,7 +185,7 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_num_b
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
               stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
@@ -185,6 +195,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     """For each work item: Q's two halves once both consumers are done with the previous Q, then K and
     V of each key tile into the ring's next buffer once both consumers released its previous tile."""
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    K_EARLY: gl.constexpr = STAGES < 3
     loads = 0  # key tiles loaded so far: the ring's position
     i = 0  # work items so far: the phase of q_empty
     for item in range(gl.program_id(0), n_items, num_programs):
@@ -204,9 +215,15 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
         for t in range(gl.maximum(n_tiles, 1)):  # a row of no tile loads a first one, which the consumers mask
             stage = loads % STAGES
             kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
-            mbarrier.wait(kv_empty.index(stage), ((loads // STAGES) - 1) & 1, pred=loads >= STAGES)
+            phase = ((loads // STAGES) - 1) & 1
+            if K_EARLY:
+                mbarrier.wait(k_empty.index(stage), phase, pred=loads >= STAGES)
+            else:
+                mbarrier.wait(v_empty.index(stage), phase, pred=loads >= STAGES)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
             tma_load(k_desc, [k_row + kv_start, k_col], k_ready.index(stage), k_smem.index(stage))
+            if K_EARLY:
+                mbarrier.wait(v_empty.index(stage), phase, pred=loads >= STAGES)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
             tma_load(v_desc, [v_row + kv_start, v_col], v_ready.index(stage), v_smem.index(stage))
             loads += 1
@@ -214,7 +231,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
+def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
               FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS,
               stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
               heads, q_len, kv_len, n_items, num_programs, qk_scale,
@@ -225,6 +242,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
     """For each work item, rows [WG * 64, WG * 64 + 64) of its query tile: the online softmax over the key
     tiles the producer loads, then o (O seen as (rows, HEAD_DIM)) and the lse."""
     HALF_M: gl.constexpr = q_smem.type.shape[1]
+    K_EARLY: gl.constexpr = STAGES < 3
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -275,6 +293,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         s = warpgroup_mma(q, k_smem.index(used % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         turn = named_arrive(THEIR_TURN, turn)
         s = warpgroup_mma_wait(0, deps=(s,))
+        if K_EARLY:
+            mbarrier.arrive(k_empty.index(used % STAGES))
         s, shift = _scores(s, 0, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term, qk_scale,
                            MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_N)
         if MAY_BE_EMPTY:
@@ -296,6 +316,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             turn = named_arrive(THEIR_TURN, turn)
             s = warpgroup_mma_wait(1, deps=(s,))
+            if K_EARLY:
+                mbarrier.arrive(k_empty.index(stage))
             s, shift = _scores(s, j, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term,
                                qk_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N,
                                SPARSE_BLOCK_N)
@@ -311,7 +333,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
             p_new = gl.convert_layout(p.to(q.dtype), p_layout)
             alpha_o = gl.convert_layout(alpha, row_o)
             acc, p_op, p_new, alpha_o, l_i = warpgroup_mma_wait(0, deps=(acc, p_op, p_new, alpha_o, l_i))
-            mbarrier.arrive(kv_empty.index(prev))  # this warpgroup is done with K and V of tile j - 1
+            mbarrier.arrive(v_empty.index(prev))  # this warpgroup is done with V (and K) of tile j - 1
             acc = acc * alpha_o[:, None]
             p_op = p_new
         mbarrier.arrive(q_empty)  # every product with Q is done: the producer may load the next item's
@@ -319,7 +341,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_emp
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(kv_empty.index(last % STAGES))
+        mbarrier.arrive(v_empty.index(last % STAGES))
         used += n_loads
         l_o = l_i
         if MAY_BE_EMPTY:
@@ -358,31 +380,33 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
 
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
-                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h,
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O,
+                     LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h,
                      stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items,
                      num_programs, qk_scale, 0, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD,
                      SCORE_KEYS, SCORE_ROW, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
-                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h,
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O,
+                     LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h,
                      stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items,
                      num_programs, qk_scale, 1, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD,
                      SCORE_KEYS, SCORE_ROW, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_qb, stride_qh, stride_qm, stride_kb,
-                     stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_num_b, stride_num_h, stride_num_m,
-                     stride_idx_b, stride_idx_h, stride_idx_m, heads, groups, q_len, kv_len, n_items, num_programs,
-                     MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_qb, stride_qh, stride_qm,
+                     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_num_b, stride_num_h,
+                     stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, groups, q_len, kv_len, n_items,
+                     num_programs, MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, STAGES)),
     # registers a thread: the consumers' tiles take 240, the producer's loads 24. The producer is one warp, as
     # FlashAttention-4's (whose other three exit): four spun on the same mbarriers, 8 % of the instructions
     # issued, and took issue slots from the consumers (one warp: 0.99-1.05x on an H100, most at hd64)
@@ -400,8 +424,8 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
     AUTO_ROW_KEYS's. The layout of each call's tensors is checked at launch. A plan keeps the answer:
     SPARSEFLASH_GLUON set later changes the plans made after it."""
     return not special_per_score and gluon_tools.chosen(
-        q, k, mask, (BLOCK_M, BLOCK_N), row_keys, AUTO_ROW_KEYS.get((q.shape[3], mask.kind is MaskKind.CAUSAL),
-                                                                    math.inf), has_key_lengths, dropout)
+        q, k, mask, TILES, row_keys, AUTO_ROW_KEYS.get((q.shape[3], mask.kind is MaskKind.CAUSAL), math.inf),
+        has_key_lengths, dropout)
 
 
 # ---------------------------------------------------------------------------------- launcher
@@ -413,7 +437,7 @@ def _constexprs(mask_kind: int, longest_first: bool, causal: bool, sparse_block:
                 mods: tuple) -> dict:
     mask_mod, score_mod, score_keys, score_row = mods
     return dict(MASK_KIND=mask_kind, LONGEST_FIRST=longest_first, IS_CAUSAL=causal, MASK_MOD=mask_mod,
-                SCORE_MOD=score_mod, SCORE_KEYS=score_keys, SCORE_ROW=score_row, BLOCK_N=BLOCK_N,
+                SCORE_MOD=score_mod, SCORE_KEYS=score_keys, SCORE_ROW=score_row, BLOCK_N=KEY_TILE[head_dim],
                 SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=head_dim,
                 STAGES=STAGES[head_dim], num_warps=4)
 
@@ -441,7 +465,8 @@ def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
     rows = gluon_tools.layout_rows(plan.per_layout.setdefault("gluon", {}), (q, k, v))
     if None in rows:
         return None
-    descriptors = (row_view(q, rows[0], HALF_M), row_view(k, rows[1], BLOCK_N), row_view(v, rows[2], BLOCK_N))
+    key_tile = KEY_TILE[q.shape[3]]
+    descriptors = (row_view(q, rows[0], HALF_M), row_view(k, rows[1], key_tile), row_view(v, rows[2], key_tile))
     tables, table_strides = plan.tables_of("kv")
     n_items = plan.batch * plan.heads * (plan.q_len // BLOCK_M)
     order = _longest_first(plan)

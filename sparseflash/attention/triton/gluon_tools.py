@@ -110,28 +110,25 @@ def row_view(x: torch.Tensor, rows: int, block_rows: int) -> TensorDescriptor:
                             shared_layout(block_rows, head_dim, x.dtype))
 
 
-HEAD_DIMS = (64, 128)  # the head dims the Gluon kernels are built for
-
-
-def takes(q: torch.Tensor, k: torch.Tensor, mask, tiles: tuple[int, int], has_key_lengths: bool,
+def takes(q: torch.Tensor, k: torch.Tensor, mask, tiles: dict[int, tuple[int, int]], has_key_lengths: bool,
           dropout: bool) -> bool:
-    """Whether a Gluon kernel of (query, key) tiles ``tiles`` can compute these inputs and mask: fp16/bf16,
-    a head dim of HEAD_DIMS, lengths that the tiles divide (SPARSE: that the mask blocks divide, blocks that
-    the tiles divide: a walk takes every tile of a listed block, so a ragged last block would read past the
-    lengths), no key_lengths or dropout. Mask and score functions they take (``tiles.modded_scores``)."""
+    """Whether a Gluon kernel of (query, key) tiles ``tiles[head dim]`` can compute these inputs and mask:
+    fp16/bf16, a head dim ``tiles`` lists, lengths that the tiles divide (SPARSE: that the mask blocks divide,
+    blocks that the tiles divide: a walk takes every tile of a listed block, so a ragged last block would read
+    past the lengths), no key_lengths or dropout. Mask and score functions they take (``tiles.modded_scores``)."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[3] not in tiles or has_key_lengths or dropout:
+        return False
     lengths = (q.shape[2], k.shape[2])
-    tiles_divide = all(length % tile == 0 for length, tile in zip(lengths, tiles)) and (
+    return all(length % tile == 0 for length, tile in zip(lengths, tiles[q.shape[3]])) and (
         mask.kind is not MaskKind.SPARSE or all(length % block == 0 and block % tile == 0 for length, block, tile in
-                                                zip(lengths, mask.block_size, tiles)))
-    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] in HEAD_DIMS and tiles_divide
-            and not has_key_lengths and not dropout)
+                                                zip(lengths, mask.block_size, tiles[q.shape[3]])))
 
 
-def chosen(q: torch.Tensor, k: torch.Tensor, mask, tiles: tuple[int, int], row_keys: float, auto_row_keys: float,
-           has_key_lengths: bool, dropout: bool) -> bool:
-    """Whether calls take a Gluon kernel of (query, key) tiles ``tiles``: with ``SPARSEFLASH_GLUON`` "1" wherever it
-    ``takes`` them, "auto" there on rows of ``row_keys`` >= ``auto_row_keys`` keys on average (where it was
-    measured faster), "0" never."""
+def chosen(q: torch.Tensor, k: torch.Tensor, mask, tiles: dict[int, tuple[int, int]], row_keys: float,
+           auto_row_keys: float, has_key_lengths: bool, dropout: bool) -> bool:
+    """Whether calls take a Gluon kernel of (query, key) tiles ``tiles[head dim]``: with ``SPARSEFLASH_GLUON`` "1"
+    wherever it ``takes`` them, "auto" there on rows of ``row_keys`` >= ``auto_row_keys`` keys on average (where it
+    was measured faster), "0" never."""
     value = kernel_switch("SPARSEFLASH_GLUON")
     return value != "0" and takes(q, k, mask, tiles, has_key_lengths, dropout) and (
         value == "1" or row_keys >= auto_row_keys)

@@ -75,8 +75,9 @@ class LaunchPlan:
         self.gluon_backward = gluon_hopper(q.device) and gluon_kernels("backward").applies(
             *gluon_inputs, self.score_mod_grads is not None)
         score = "score-special" if score_graph is not None and score_graph.uses_special_functions else "score"
-        mods = "+".join(name for name, on in (("mask", self.mask_mod is not None),
-                                              (score, self.score_mod is not None), ("dropout", dropout)) if on)
+        # "grads": the backward also adds the gradients of captured tensors (more shared memory and registers)
+        mods = "+".join(name for name, on in (("mask", self.mask_mod is not None), (score, self.score_mod is not None),
+                                              ("grads", self.score_mod_grads is not None), ("dropout", dropout)) if on)
         first, second = self.head_dim_parts["HEAD_DIM"], self.head_dim_parts["HEAD_DIM2"]
         decode_rows = forward_decode.group_rows(self) if forward_decode.applies(self) else 0
         self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods,

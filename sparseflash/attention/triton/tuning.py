@@ -79,8 +79,9 @@ class ConfigKey:
     parallelism: int  # log2 of batch x heads x 128-row query tiles: how well a grid fills the GPU
     device: str
     persistent: str = ""  # forward_persistent.mode(): "" never, "auto" tuned against the others, "only"
-    mods: str = ""  # what else the loop does: "mask", "score", "dropout" joined by "+", or "" (registers,
-    # work); "score-special" for a score function using exp, log, tanh or sqrt (Graph.uses_special_functions)
+    mods: str = ""  # what else the loop does: "mask", "score", "grads", "dropout" joined by "+", or ""
+    # (registers, work); "score-special" for a score function using exp, log, tanh or sqrt
+    # (Graph.uses_special_functions); "grads" where the backward adds gradients of captured tensors
     head_dim_parts: str = ""  # a head dim computed as two parts, e.g. "64+32" (plan.head_dim_parts), or ""
     # where the kernels compute it padded
     decode_rows: int = 0  # decoding (forward_decode.py): the query rows a program group holds (the queries of
@@ -251,6 +252,17 @@ def _tune(launch: Callable[[KernelConfig], object], options: list[KernelConfig])
                               rep_ms / 5)
     medians = [statistics.median(t) for t in times]
     return finalists[medians.index(min(medians))]
+
+
+def _first_fitting(launch: Callable[[KernelConfig], Optional[KernelConfig]],
+                   options: list[KernelConfig]) -> tuple[KernelConfig, KernelConfig]:
+    """Launch the first of ``options`` that fits the GPU: (that config, the config that ran)."""
+    for cfg in options:
+        try:
+            return cfg, launch(cfg) or cfg
+        except triton.runtime.errors.OutOfResources:
+            continue
+    raise RuntimeError(f"no kernel config fits this GPU; tried {options}")
 
 
 # This process's choices, by (kernel, key); only the functions below read or write it.
@@ -453,13 +465,23 @@ def planned(kernel: str, key: ConfigKey) -> Optional[KernelConfig]:
 
 def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], Optional[KernelConfig]]) -> KernelConfig:
     """Launch ``kernel`` with its config for ``key`` (the module docstring says which) and return the
-    config it ran with: ``launch(cfg)`` returns the config that ran, or None where that is cfg."""
+    config it ran with: ``launch(cfg)`` returns the config that ran, or None where that is cfg. Where the
+    shipped table's config or the first candidate does not fit the GPU (a variant the table was not built
+    for: a score function's gradients add shared memory), the next candidate that fits; a config pinned,
+    tuned or cached is launched as it is."""
+    decided = choice(kernel, key) is not None
     cfg = planned(kernel, key)
     if cfg is None:
-        cfg = _tune(launch, candidates(kernel, key))
+        cfg, decided = _tune(launch, candidates(kernel, key)), True
         _save_choice(f"{kernel}|{key}", cfg)
     _chosen[kernel, key] = cfg
-    used = launch(cfg) or cfg
+    try:
+        used = launch(cfg) or cfg
+    except triton.runtime.errors.OutOfResources:
+        if decided:
+            raise
+        cfg, used = _first_fitting(launch, [option for option in candidates(kernel, key) if option != cfg])
+        _chosen[kernel, key] = cfg
     for launched in list(_recorders):
         launched.append(Launched(kernel, key, used, launch))
     return used
