@@ -97,7 +97,7 @@ def _fits_only(*fitting: tuning.KernelConfig):
     def launch(cfg):
         tried.append(cfg)
         if cfg not in fitting:
-            raise triton.runtime.errors.OutOfResources(262144, 232448, "shared memory")
+            raise _out_of_resources()
 
     return launch, tried
 
@@ -297,8 +297,6 @@ def test_candidates_divide_the_mask_blocks(head_dim, monkeypatch):
 
 
 def _out_of_resources():
-    import triton
-
     return triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
 
 
