@@ -208,7 +208,8 @@ def test_gpu_gluon_backward_of_query_tiles_of_64(pattern, dim, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim, dtype", [(64, torch.float16), (128, torch.bfloat16)], ids=["d64-fp16", "d128-bf16"])
+@pytest.mark.parametrize("dim, dtype", [(64, torch.float16), (128, torch.bfloat16), (256, torch.bfloat16)],
+                         ids=["d64-fp16", "d128-bf16", "d256-bf16"])
 @pytest.mark.parametrize("pattern", [p for p in MASKS if p != "causal"])
 def test_gpu_gluon_forward_many_items_a_program(pattern, dim, dtype, monkeypatch):
     """Three programs for the 2 x 4 x 6 query tiles (16 each): the K/V ring, Q's buffer and the turns of the
@@ -219,6 +220,30 @@ def test_gpu_gluon_forward_many_items_a_program(pattern, dim, dtype, monkeypatch
     monkeypatch.setattr(forward_gluon, "multiprocessors", lambda device: 3)
     q, k, v, do = _inputs("s768-bshd", dim, dtype)
     check_backend("triton", q, k, v, MASKS[pattern](q.shape[2], k.shape[2], q.shape[1]), do)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ["dense", "blocks-of-64-keys"])
+def test_gpu_gluon_forward_odd_key_tiles_across_items(pattern, monkeypatch):
+    """Head dim 256 (two K/V buffers, K released apart from V): 5 key tiles an item (SPARSE: 3 or none, blocks of
+    64 keys), three programs for the 2 x 4 x 6 query tiles, so that the ring's phases run on from item to item
+    at odd offsets; an empty row; GQA."""
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    monkeypatch.setattr(forward_gluon, "multiprocessors", lambda device: 3)
+    q, do = (torch.randn(2, 4, 768, 256, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    k, v = (torch.randn(2, 2, 320, 256, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    if pattern == "dense":
+        mask = make("dense", 768, 320)
+    else:  # rows of 3 blocks but one empty: 1.2x the mean at most, so programs take many items (UNEQUAL_ROWS)
+        layout = torch.zeros(4, 6, 5, dtype=torch.bool)
+        for row in (0, 1, 2, 3, 5):
+            layout[:, row, torch.randperm(5)[:3]] = True
+        mask = from_layout(layout, block=(128, 64), q_len=768, kv_len=320)
+    launched = _spy_launches(monkeypatch)
+    check_backend("triton", q, k, v, mask, do)
+    _assert_gluon_ran(launched, 256)
 
 
 @pytest.mark.gpu

@@ -300,6 +300,39 @@ def test_a_stand_in_runs_while_the_kernel_it_stands_in_for_compiles():
     assert launch.standing_in(state, compiling) is None and asked == []
 
 
+def test_halves_that_do_not_fit_the_gpu_end_their_standing_in(monkeypatch):
+    """Halves standing in for the fused backward whose launch runs out of shared memory (their config chosen for a
+    lighter variant of the key): the call runs the fused kernel, its gradients right, and the standing in ends."""
+    import triton
+
+    from sparseflash.attention.triton import backward, tuning
+    from sparseflash.attention.triton.plan import LaunchPlan
+    from sparseflash.masks import make
+    from tests.helpers import check_backend
+
+    q, k, v, do = (torch.randn(1, 2, 64, 128) for _ in range(4))
+    mask = make("causal", 64, block=16)
+    plan = LaunchPlan.of(q, k, mask, False, 0.1)  # the plan of the call below
+    assert backward._kernels(plan) is backward.FUSED
+    cfg = tuning.candidates("backward", plan.backward_key)[0]
+    plan.per_layout["backward_stand_in"] = {"stand_in": [(cfg, 1), (cfg, 2)]}
+    real, programs = backward.BACKWARD, []
+
+    class HalvesOutOfSharedMemory:
+        def __call__(self, grid, tensors, scalars, constexprs):
+            programs.append(constexprs["PROGRAMS"])
+            if constexprs["PROGRAMS"] != 0:
+                raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
+            real(grid, tensors, scalars, constexprs)
+
+        def compiling(self, *args):
+            return True  # the fused kernel's compile ahead in flight
+
+    monkeypatch.setattr(backward, "BACKWARD", HalvesOutOfSharedMemory())
+    check_backend("triton", q, k, v, mask, do, scale=0.1)
+    assert programs == [1, 0] and "stand_in" not in plan.per_layout["backward_stand_in"]
+
+
 def test_a_compile_ahead_that_hangs_stops_counting_as_in_flight(monkeypatch):
     """A stand-in waits on ``Launcher.compiling``: a child past AHEAD_TIMEOUT_SECONDS is not in flight any more
     (the launch then waits for it and kills it), so no stand-in runs for good."""

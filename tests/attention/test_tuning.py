@@ -102,9 +102,9 @@ def _fits_only(*fitting: tuning.KernelConfig):
     return launch, tried
 
 
-def test_a_first_candidate_that_does_not_fit_gives_way_to_the_next_that_fits(tunings, monkeypatch):
+def test_a_config_that_does_not_fit_gives_way_to_the_next_that_fits(tunings, monkeypatch):
     """Untuned, the first candidate out of shared memory (a variant the candidates were not ordered for): the
-    next that fits runs, then on every launch; none fits: an error listing them."""
+    next that fits runs, then on every launch; none fits: an error naming them."""
     monkeypatch.delenv("SPARSEFLASH_TUNE")
     key = _key(1024, "causal", head_dim=256)
     options = tuning.candidates("dq", key)
@@ -118,21 +118,42 @@ def test_a_first_candidate_that_does_not_fit_gives_way_to_the_next_that_fits(tun
         tuning.run_tuned("dq", _key(4096, "causal", head_dim=256), launch)
 
 
-def test_a_score_function_whose_captures_train_has_a_key_of_its_own():
-    """Its backward adds the captured tensors' gradients (more shared memory): a config chosen for the same
-    function with frozen captures must not be taken for it."""
+@pytest.mark.parametrize("source", ["launched-before", "tuned", "disk-cache"])
+def test_a_config_chosen_for_a_lighter_variant_of_the_key_gives_way_too(source, tunings, monkeypatch, tmp_path):
+    """A key covers variants of unequal needs (a mask function, key_lengths): its config, first launched with a
+    variant it fits, tuned, or found in the disk cache, gives way where a heavier variant cannot run it."""
+    key = _key(1024, "causal", head_dim=256)
+    options = tuning.candidates("dq", key)
+    if source == "disk-cache":
+        name = f"dq|{key}"
+        (tmp_path / "tuning.json").write_text(json.dumps({name: dataclasses.asdict(options[0])}))
+    else:
+        if source == "launched-before":
+            monkeypatch.delenv("SPARSEFLASH_TUNE")
+        chosen = tuning.run_tuned("dq", key, lambda cfg: None)
+        assert chosen == (options[0] if source == "launched-before" else options[-1])
+    first = tuning.planned("dq", key)
+    launch, tried = _fits_only(*[cfg for cfg in options if cfg != first])
+    fallback = next(cfg for cfg in options if cfg != first)
+    assert tuning.run_tuned("dq", key, launch) == fallback and tried == [first, fallback]
+    assert tuning.planned("dq", key) == fallback
+
+
+def test_a_score_function_whose_captures_train_has_a_backward_key_of_its_own():
+    """Its backward adds the captured tensors' gradients (more shared memory): a backward config chosen for the
+    same function with frozen captures must not be taken for it. The forward computes the same either way."""
     from sparseflash.attention.score_mods import make_score_mod
     from sparseflash.attention.triton.plan import LaunchPlan
     from sparseflash.masks.functions import trace
 
     q = torch.empty(1, 4, 256, 64)
     bias = make_score_mod("relative_bias", 4, max_distance=16)
-    keys = {}
+    plans = {}
     for trained in (False, True):
         bias.table.requires_grad_(trained)
-        graph = trace(bias, "score_mod")
-        keys[trained] = LaunchPlan.of(q, q, make("causal", 256), False, 0.125, graph).config_key
-    assert keys[False].mods == "score" and keys[True].mods == "score+grads"
+        plans[trained] = LaunchPlan.of(q, q, make("causal", 256), False, 0.125, trace(bias, "score_mod"))
+    assert plans[False].config_key == plans[False].backward_key == plans[True].config_key
+    assert plans[True].backward_key == dataclasses.replace(plans[True].config_key, mods="score+grads")
 
 
 def test_a_pinned_config_that_does_not_fit_reports(tunings, monkeypatch):

@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseflash.attention.triton.launch import STAND_IN_FROM_CPUS, Launcher, Standin, cdiv, standing_in, usable_cpus
+from sparseflash.attention.triton.launch import (STAND_IN_FROM_CPUS, Launcher, Standin, cdiv, run_stand_in, standing_in,
+                                                 usable_cpus)
 from sparseflash.attention.triton.plan import LaunchPlan, gluon_kernels
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, dropout_kept_tile, key_steps, key_tile_scores,
                                                listed_block, load_head_parts, load_part, load_seed, mma, mod_positions,
@@ -606,29 +607,35 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
              if t.requires_grad and t.dtype.is_floating_point else None for t in captures]
     mods = plan.mods_table(list(captures), grads)
-    gluon = gluon_kernels("backward") if plan.gluon_backward else None
-    stand_in = None
-    if gluon is not None:
-        stand_in = standing_in(plan.per_layout.get("gluon_backward_stand_in", {}),
-                               lambda _: gluon.compiling(plan, q, k, v, do, mods, stats_stride))
-        if stand_in is None and gluon.launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods, stats_stride):
-            return dq, dk, dv, grads
     dropout_args = plan.dropout_args(dropout)
 
     def launcher(programs: int):
         return _launcher(plan, programs, q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, mods, stats_stride,
                          dropout_args, grads)
 
+    def stood_in(state_name: str, compiling) -> bool:
+        """Whether halves standing in for a kernel compiling ahead (``launch.standing_in``) ran on this call."""
+        state = plan.per_layout.get(state_name, {})
+        stand_in = standing_in(state, compiling)
+
+        def launches():
+            for cfg, programs in stand_in:
+                launcher(programs)(cfg)
+
+        return stand_in is not None and run_stand_in(state, launches)
+
+    gluon = gluon_kernels("backward") if plan.gluon_backward else None
+    if gluon is not None:
+        if stood_in("gluon_backward_stand_in", lambda _: gluon.compiling(plan, q, k, v, do, mods, stats_stride)):
+            return dq, dk, dv, grads
+        if gluon.launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods, stats_stride):
+            return dq, dk, dv, grads
     kernels = _kernels(plan)
-    if stand_in is None and kernels is FUSED:
-        stand_in = standing_in(plan.per_layout.get("backward_stand_in", {}),
-                               lambda launches: launcher(0)(launches[0][0], BACKWARD.compiling))
-    if stand_in is not None:
-        for cfg, programs in stand_in:
-            launcher(programs)(cfg)
+    if kernels is FUSED and stood_in("backward_stand_in",
+                                     lambda launches: launcher(0)(launches[0][0], BACKWARD.compiling)):
         return dq, dk, dv, grads
     for kernel, programs in kernels:
-        run_tuned(kernel, plan.config_key, launcher(programs))
+        run_tuned(kernel, plan.backward_key, launcher(programs))
     return dq, dk, dv, grads
 
 
@@ -656,15 +663,15 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
     kernels = _kernels(plan)
     gluon = gluon_kernels("backward") if plan.gluon_backward else None
     if gluon is not None and gluon.compile_ahead(plan, q, k, v, mods, stats, stats_stride):
-        # at head dim 64 the Gluon backward's compile ended 1.0-1.2 s after a new function's first forward on an
-        # H100 host, the halves' 0.2-0.8 s after it
-        configs = [planned(kernel, plan.config_key) if kernels is SPLIT else
-                   fit(kernel, GLUON_STAND_IN, plan.config_key) for kernel, _ in SPLIT]
+        # (without them, a new function's first backward waited for the Gluon backward's compile: on an H100 host
+        # 1.0-1.2 s at head dim 64, 0.5-0.8 s at 128)
+        configs = [planned(kernel, plan.backward_key) if kernels is SPLIT else
+                   fit(kernel, GLUON_STAND_IN, plan.backward_key) for kernel, _ in SPLIT]
         if None not in configs and stand_ins and gluon.compiling(plan, q, k, v, out, mods, stats_stride):
             stand_in("gluon_backward_stand_in", [(cfg, programs) for cfg, (_, programs) in zip(configs, SPLIT)])
         return
     for kernel, programs in kernels:
-        cfg = planned(kernel, plan.config_key)
+        cfg = planned(kernel, plan.backward_key)
         if cfg is None:
             continue
         launcher(programs)(cfg, BACKWARD.compile_ahead)

@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from sparseflash.attention.triton import forward_decode, forward_persistent
-from sparseflash.attention.triton.launch import STAND_IN_FROM_CPUS, Launcher, Standin, cdiv, standing_in, usable_cpus
+from sparseflash.attention.triton.launch import (STAND_IN_FROM_CPUS, Launcher, Standin, cdiv, run_stand_in, standing_in,
+                                                 usable_cpus)
 from sparseflash.attention.triton.plan import LaunchPlan, gluon_kernels
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_head_parts, load_seed,
                                                 row_tile_ranges, second_part_columns, store_head_parts)
@@ -135,12 +136,12 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     mods = plan.mods_table(list(captures))
-    stand_in = _triton_stand_in(plan, q, k, v, o, lse, mods) if plan.gluon_forward else None
-    if plan.gluon_forward and stand_in is None and gluon_kernels("forward").launch(plan, q, k, v, o, lse, mods):
-        return o, lse
     dropout_args = plan.dropout_args(dropout)
-    if stand_in is not None:
-        _launch(plan, stand_in, q, k, v, o, lse, key_lengths, mods, dropout_args)
+    stand_in = _triton_stand_in(plan, q, k, v, o, lse, mods) if plan.gluon_forward else None
+    if stand_in is not None and run_stand_in(plan.per_layout["forward_stand_in"], lambda: _launch(
+            plan, stand_in, q, k, v, o, lse, key_lengths, mods, dropout_args)):
+        return o, lse
+    if plan.gluon_forward and gluon_kernels("forward").launch(plan, q, k, v, o, lse, mods):
         return o, lse
     name, launch = _kernel(plan)
     run_tuned(name, plan.config_key, lambda cfg: launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, dropout_args))

@@ -193,7 +193,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
               MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
               SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """For each work item: Q's two halves once both consumers are done with the previous Q, then K and
-    V of each key tile into the ring's next buffer once both consumers released its previous tile."""
+    V of each key tile into the ring's next buffer once both consumers released its previous tile (K and V
+    apart with K_EARLY)."""
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     K_EARLY: gl.constexpr = STAGES < 3
     loads = 0  # key tiles loaded so far: the ring's position
@@ -333,7 +334,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
             p_new = gl.convert_layout(p.to(q.dtype), p_layout)
             alpha_o = gl.convert_layout(alpha, row_o)
             acc, p_op, p_new, alpha_o, l_i = warpgroup_mma_wait(0, deps=(acc, p_op, p_new, alpha_o, l_i))
-            mbarrier.arrive(v_empty.index(prev))  # this warpgroup is done with V (and K) of tile j - 1
+            mbarrier.arrive(v_empty.index(prev))  # done with V of tile j - 1 (and K, unless K_EARLY)
             acc = acc * alpha_o[:, None]
             p_op = p_new
         mbarrier.arrive(q_empty)  # every product with Q is done: the producer may load the next item's

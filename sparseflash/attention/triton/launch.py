@@ -94,6 +94,19 @@ def standing_in(state: dict, compiling: Callable[[object], bool]):
     return stand_in
 
 
+def run_stand_in(state: dict, launches: Callable[[], None]) -> bool:
+    """Run ``launches``, the launches of what stands in on this call (``standing_in(state, ...)``): True. Where one
+    does not fit the GPU (``OutOfResources``: its config was chosen for a lighter variant of the plan's key), the
+    standing in ends for every layout of the plan that keeps ``state``, and the call is to run the kernel stood in
+    for: False (its outputs are then written again in full)."""
+    try:
+        launches()
+    except triton.runtime.errors.OutOfResources:
+        state.pop("stand_in", None)
+        return False
+    return True
+
+
 def usable_cpus() -> int:
     """The CPUs this process may run on (a batch job's share of a node, where the scheduler pins it)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -10,6 +10,8 @@ an H100 host.
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib
 
 import torch
@@ -75,13 +77,16 @@ class LaunchPlan:
         self.gluon_backward = gluon_hopper(q.device) and gluon_kernels("backward").applies(
             *gluon_inputs, self.score_mod_grads is not None)
         score = "score-special" if score_graph is not None and score_graph.uses_special_functions else "score"
-        # "grads": the backward also adds the gradients of captured tensors (more shared memory and registers)
-        mods = "+".join(name for name, on in (("mask", self.mask_mod is not None), (score, self.score_mod is not None),
-                                              ("grads", self.score_mod_grads is not None), ("dropout", dropout)) if on)
+        mods = "+".join(name for name, on in (("mask", self.mask_mod is not None),
+                                              (score, self.score_mod is not None), ("dropout", dropout)) if on)
         first, second = self.head_dim_parts["HEAD_DIM"], self.head_dim_parts["HEAD_DIM2"]
         decode_rows = forward_decode.group_rows(self) if forward_decode.applies(self) else 0
         self.config_key = ConfigKey.of(q, mask, self.padded_dim, persistent, mods,
                                        f"{first}+{second}" if second else "", decode_rows)
+        # the backward kernels' key: "grads" where they also add the gradients of captured tensors (more shared
+        # memory and registers than the same function with frozen captures)
+        self.backward_key = self.config_key if self.score_mod_grads is None else dataclasses.replace(
+            self.config_key, mods=f"{mods}+grads")
         tables = mask.tables(q.device) if mask.kind is MaskKind.SPARSE else None
         self._tables = {side: self._tables_of(tables, side) for side in ("kv", "q")}
         self.has_partial_tiles = mask.kind is MaskKind.SPARSE and bool(mask.partial_layout.any())

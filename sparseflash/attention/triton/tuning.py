@@ -79,9 +79,9 @@ class ConfigKey:
     parallelism: int  # log2 of batch x heads x 128-row query tiles: how well a grid fills the GPU
     device: str
     persistent: str = ""  # forward_persistent.mode(): "" never, "auto" tuned against the others, "only"
-    mods: str = ""  # what else the loop does: "mask", "score", "grads", "dropout" joined by "+", or ""
-    # (registers, work); "score-special" for a score function using exp, log, tanh or sqrt
-    # (Graph.uses_special_functions); "grads" where the backward adds gradients of captured tensors
+    mods: str = ""  # what else the loop does: "mask", "score", "dropout" joined by "+", or "" (registers, work);
+    # "score-special" for a score function using exp, log, tanh or sqrt (Graph.uses_special_functions); the
+    # backward kernels' key ends in "+grads" where they add gradients of captured tensors (plan.backward_key)
     head_dim_parts: str = ""  # a head dim computed as two parts, e.g. "64+32" (plan.head_dim_parts), or ""
     # where the kernels compute it padded
     decode_rows: int = 0  # decoding (forward_decode.py): the query rows a program group holds (the queries of
@@ -254,19 +254,24 @@ def _tune(launch: Callable[[KernelConfig], object], options: list[KernelConfig])
     return finalists[medians.index(min(medians))]
 
 
-def _first_fitting(launch: Callable[[KernelConfig], Optional[KernelConfig]],
-                   options: list[KernelConfig]) -> tuple[KernelConfig, KernelConfig]:
-    """Launch the first of ``options`` that fits the GPU: (that config, the config that ran)."""
+def _first_fitting(launch: Callable[[KernelConfig], Optional[KernelConfig]], failed: KernelConfig,
+                   error: Exception, options: list[KernelConfig]) -> tuple[KernelConfig, KernelConfig]:
+    """After ``failed`` did not fit the GPU (``error``), launch the first other config of ``options`` that fits:
+    (that config, the config that ran)."""
     for cfg in options:
+        if cfg == failed:
+            continue
         try:
             return cfg, launch(cfg) or cfg
-        except triton.runtime.errors.OutOfResources:
-            continue
-    raise RuntimeError(f"no kernel config fits this GPU; tried {options}")
+        except triton.runtime.errors.OutOfResources as out_of_resources:
+            error = out_of_resources
+    raise RuntimeError(f"no kernel config fits this GPU; tried {failed} and {options}") from error
 
 
-# This process's choices, by (kernel, key); only the functions below read or write it.
+# This process's choices, by (kernel, key), and the pinned ones among them; only the functions below read or
+# write them.
 _chosen: dict[tuple[str, ConfigKey], KernelConfig] = {}
+_pinned: set[tuple[str, ConfigKey]] = set()
 
 
 def choice(kernel: str, key: ConfigKey) -> Optional[KernelConfig]:
@@ -282,13 +287,16 @@ def choice(kernel: str, key: ConfigKey) -> Optional[KernelConfig]:
 
 
 def pin(kernel: str, key: ConfigKey, cfg: KernelConfig) -> None:
-    """Launch ``kernel`` with ``cfg`` for ``key`` from now on in this process (no tuning)."""
+    """Launch ``kernel`` with ``cfg`` for ``key`` from now on in this process (no tuning), also where it does not
+    fit the GPU (the launch then reports)."""
     _chosen[kernel, key] = cfg
+    _pinned.add((kernel, key))
 
 
 def forget() -> None:
     """Drop this process's pinned and tuned choices (the disk cache stays)."""
     _chosen.clear()
+    _pinned.clear()
 
 
 # ---------------------------------------------------------------------------- the shipped table
@@ -465,23 +473,21 @@ def planned(kernel: str, key: ConfigKey) -> Optional[KernelConfig]:
 
 def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], Optional[KernelConfig]]) -> KernelConfig:
     """Launch ``kernel`` with its config for ``key`` (the module docstring says which) and return the
-    config it ran with: ``launch(cfg)`` returns the config that ran, or None where that is cfg. Where the
-    shipped table's config or the first candidate does not fit the GPU (a variant the table was not built
-    for: a score function's gradients add shared memory), the next candidate that fits; a config pinned,
-    tuned or cached is launched as it is."""
-    decided = choice(kernel, key) is not None
+    config it ran with: ``launch(cfg)`` returns the config that ran, or None where that is cfg. Where the config
+    does not fit the GPU (a key covers variants of unequal needs: a mask function, key_lengths; or the table's
+    entry was built for another GPU), the first candidate that fits runs instead, and from then on in this
+    process; a pinned config is launched as it is."""
     cfg = planned(kernel, key)
     if cfg is None:
-        cfg, decided = _tune(launch, candidates(kernel, key)), True
+        cfg = _tune(launch, candidates(kernel, key))
         _save_choice(f"{kernel}|{key}", cfg)
-    _chosen[kernel, key] = cfg
     try:
         used = launch(cfg) or cfg
-    except triton.runtime.errors.OutOfResources:
-        if decided:
+    except triton.runtime.errors.OutOfResources as error:
+        if (kernel, key) in _pinned:
             raise
-        cfg, used = _first_fitting(launch, [option for option in candidates(kernel, key) if option != cfg])
-        _chosen[kernel, key] = cfg
+        cfg, used = _first_fitting(launch, cfg, error, candidates(kernel, key))
+    _chosen[kernel, key] = cfg
     for launched in list(_recorders):
         launched.append(Launched(kernel, key, used, launch))
     return used
