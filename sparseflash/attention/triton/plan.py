@@ -11,7 +11,6 @@ an H100 host.
 from __future__ import annotations
 
 import dataclasses
-
 import importlib
 
 import torch
