@@ -77,6 +77,11 @@ def cases() -> dict:
         "forward-d256-causal": ("forward", 256, causal, None),
         "forward-d256-alibi": ("forward", 256, causal, alibi),
         "forward-d256-documents": ("forward", 256, documents, None),
+        "forward-d48-causal": ("forward", 48, causal, None),  # head dims in two parts: 32 + 16
+        "forward-d80-causal": ("forward", 80, causal, None),  # 64 + 16
+        "forward-d96-documents": ("forward", 96, documents, None),  # 64 + 32
+        "forward-d160-alibi": ("forward", 160, causal, alibi),  # 128 + 32, two K/V buffers
+        "forward-d192-causal": ("forward", 192, causal, None),  # 128 + 64, 64-key tiles
         "backward-d128-causal": ("backward", 128, causal, None),
         "backward-d128-alibi": ("backward", 128, causal, alibi),
         "backward-d128-softcap": ("backward", 128, causal, softcap),

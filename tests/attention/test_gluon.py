@@ -80,12 +80,13 @@ def _spy_launches(monkeypatch) -> dict[str, list[bool]]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("dim", [64, 128, 256], ids=["d64", "d128", "d256"])
+@pytest.mark.parametrize("dim", [48, 64, 80, 96, 128, 160, 192, 256], ids=lambda dim: f"d{dim}")
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("pattern", list(MASKS))
 def test_gpu_gluon_kernels_match_reference(pattern, shape, dim, dtype, monkeypatch):
     """o, lse and the gradients against the reference; GQA (4 query heads on 2 key/value heads); the Gluon
-    forward and (head dims 64 and 128) backward launched for every call (SPARSEFLASH_GLUON=1)."""
+    forward (head dims that are not powers of two in two parts) and (head dims 64 and 128) backward launched for
+    every call (SPARSEFLASH_GLUON=1)."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
@@ -153,8 +154,9 @@ FUNCTION_CASES = ["window", "documents", "causal-as-mask_mod", "empty-rows", "bu
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim, dtype", [(64, torch.float16), (128, torch.bfloat16), (256, torch.bfloat16)],
-                         ids=["d64-fp16", "d128-bf16", "d256-bf16"])
+@pytest.mark.parametrize("dim, dtype", [(64, torch.float16), (96, torch.float16), (128, torch.bfloat16),
+                                        (192, torch.bfloat16), (256, torch.bfloat16)],
+                         ids=["d64-fp16", "d96-fp16", "d128-bf16", "d192-bf16", "d256-bf16"])
 @pytest.mark.parametrize("case", FUNCTION_CASES)
 def test_gpu_gluon_kernels_with_functions_match_reference(case, dim, dtype, monkeypatch):
     """Mask and score functions in the Gluon kernels, against the reference: o, lse, dq, dk, dv (and a learnable
@@ -208,8 +210,9 @@ def test_gpu_gluon_backward_of_query_tiles_of_64(pattern, dim, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim, dtype", [(64, torch.float16), (128, torch.bfloat16), (256, torch.bfloat16)],
-                         ids=["d64-fp16", "d128-bf16", "d256-bf16"])
+@pytest.mark.parametrize("dim, dtype", [(64, torch.float16), (80, torch.float16), (128, torch.bfloat16),
+                                        (160, torch.bfloat16), (256, torch.bfloat16)],
+                         ids=["d64-fp16", "d80-fp16", "d128-bf16", "d160-bf16", "d256-bf16"])
 @pytest.mark.parametrize("pattern", [p for p in MASKS if p != "causal"])
 def test_gpu_gluon_forward_many_items_a_program(pattern, dim, dtype, monkeypatch):
     """Three programs for the 2 x 4 x 6 query tiles (16 each): the K/V ring, Q's buffer and the turns of the
@@ -313,22 +316,26 @@ def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("case, forward, backward", [
     ("dense", True, True), ("causal", True, True), ("butterfly", True, True), ("local-causal-256", True, True),
-    ("fp32", False, False), ("d96", False, False), ("d256", True, False), ("d256-kv320", True, False),
-    ("d256-kv288", False, False), ("q192", False, True),
+    ("fp32", False, False), ("d96", True, False), ("d72", False, False), ("d112", False, False),
+    ("d160-kv320", False, False), ("d192-kv320", True, False),
+    ("d256", True, False), ("d256-kv320", True, False), ("d256-kv288", False, False), ("q192", False, True),
     ("d64-q192", False, False), ("d64-q384", True, True),
     ("q200", False, False), ("kv300", False, False), ("blocks-64", False, False), ("ragged-last-block", False, False),
     ("key-lengths", False, False), ("dropout", False, False), ("trained-captures", True, False),
     ("special-per-score", False, True),
 ], ids=str)
 def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
-    """fp16/bf16 of head dim 64, 128 or 256 (the backward 64 or 128), lengths that the tiles divide (forward:
-    128 queries and 128 keys, 64 at head dim 256; backward: 64 queries at head dim 128, 128 at 64, and 128
-    keys), SPARSE blocks that the tiles divide and that divide
+    """fp16/bf16 of head dim 64, 128 or 256 or one of two parts without padding (48, 80, 96, 160, 192; not 72, whose
+    second part would be padded, nor 112, padded to 128) (the backward 64 or 128), lengths that the tiles divide
+    (forward: 128 queries and 128 keys, 64 at head dims 192 and 256; backward: 64 queries at head dim 128, 128 at 64,
+    and 128 keys), SPARSE blocks that the tiles divide and that divide
     the lengths, no key_lengths or dropout; the forward no score function that evaluates exp, log, tanh or sqrt
     per score, the backward none whose captured tensors take gradients (SPARSEFLASH_GLUON=1; the GPU and Triton
     are ``gluon_hopper``'s)."""
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
-    shapes = dict(fp32=dict(dtype=torch.float32), d96=dict(dim=96), d256=dict(dim=256), q192=dict(q_len=192),
+    shapes = dict(fp32=dict(dtype=torch.float32), d96=dict(dim=96), d72=dict(dim=72), d112=dict(dim=112),
+                  d256=dict(dim=256), q192=dict(q_len=192),
+                  **{"d160-kv320": dict(kv_len=320, dim=160), "d192-kv320": dict(kv_len=320, dim=192)},
                   **{"d256-kv320": dict(kv_len=320, dim=256), "d256-kv288": dict(kv_len=288, dim=256)},
                   **{"d64-q192": dict(q_len=192, dim=64), "d64-q384": dict(q_len=384, dim=64)},
                   q200=dict(q_len=200), kv300=dict(kv_len=300))
@@ -358,10 +365,11 @@ def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
                                  False)
     causal = make("causal", 256)
     assert forward_gluon.applies(*_plan_inputs(), causal, forward_gluon.AUTO_ROW_KEYS[128, True], False, False, False)
-    for is_causal, pattern in ((False, mask), (True, causal)):
-        keys = forward_gluon.AUTO_ROW_KEYS[256, is_causal]
-        assert forward_gluon.applies(*_plan_inputs(dim=256), pattern, keys, False, False, False)
-        assert not forward_gluon.applies(*_plan_inputs(dim=256), pattern, keys - 64, False, False, False)
+    for (dim, is_causal), keys in forward_gluon.AUTO_ROW_KEYS.items():  # head dims in parts among them
+        pattern = causal if is_causal else mask
+        assert forward_gluon.applies(*_plan_inputs(dim=dim), pattern, keys, False, False, False), (dim, is_causal)
+        assert not forward_gluon.applies(*_plan_inputs(dim=dim), pattern, keys - 64, False, False, False)
+    assert set(forward_gluon.AUTO_ROW_KEYS) == {(dim, c) for dim in forward_gluon.KEY_TILE for c in (False, True)}
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     assert forward_gluon.applies(*_plan_inputs(), mask, few, False, False, False)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "0")
@@ -385,7 +393,7 @@ def test_gluon_backward_auto_takes_rows_of_many_keys(monkeypatch):
 
 
 def test_the_gluon_kernels_compile_for_hopper_without_a_gpu(tmp_path):
-    """Each case of ``sm90_compile.cases`` (forward at head dims 64, 128 and 256, backward at 64 and 128, causal,
+    """Each case of ``sm90_compile.cases`` (forward at head dims 48-256, backward at 64 and 128, causal,
     ALiBi, soft-capping, a document mask_mod with rows of unequal lengths) compiles through ptxas for sm_90a from the
     arguments its ``launch`` builds, in a child process without the interpreter: what a run without a GPU can
     check of kernels it cannot run (an argument the kernel does not take, a name it does not define, a helper

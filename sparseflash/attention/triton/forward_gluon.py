@@ -25,13 +25,15 @@ Constexpr flags:
   IS_CAUSAL      SPARSE only: the partial blocks are cut by q_idx >= kv_idx (top-left alignment).
   MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW  the generated helpers (codegen.py) as in forward.py, or None:
                  MASK_MOD cuts the partial blocks too; a score function gives the tiles' base-2 scores.
-  BLOCK_N        key rows of a tile (``KEY_TILE``: 128, 64 at head dim 256); the query tile is 2 x 64 rows.
+  BLOCK_N        key rows of a tile (``KEY_TILE``: 128, 64 at head dims 192 and 256); the query tile is 2 x 64 rows.
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
-  HEAD_DIM       64, 128 or 256, the real head dim (no padding).
+  HEAD_DIM, HEAD_DIM2  the head dim, a power of two (HEAD_DIM2 = 0), or its two parts (``head_parts``: 96 = 64 + 32),
+                 each read by TMA boxes of its own width and multiplied apart (S = Q K^T + Q2 K2^T, O and O2 from
+                 P V and P V2): no column padded.
   STAGES         K/V buffers. A consumer waits for K_{j+1} before it releases V_{j-1}, so that the wait's
                  branch sits between the softmax and the wait for PV_{j-1} (without one, ptxas hoists that
                  wait above the softmax): with 3 or more buffers K_{j+1} goes where tile j-2 was; with 2
-                 (head dim 256, whose 64 KiB of Q and 64 KiB a stage leave room for no third), K_EARLY.
+                 (head dims 160 and 256, whose Q and 80 or 64 KiB a stage leave room for no third), K_EARLY.
   K_EARLY        STAGES < 3: K's buffer of tile j is released as soon as S_j is computed, so that K_{j+1}
                  can load into tile j-1's while P_{j-1} V_{j-1} still reads V_{j-1}.
 
@@ -42,10 +44,10 @@ of no tile still gets one: the producer loads the first tile its walk would take
 at its table's first entry, a padding entry) and the consumers mask all of it, so that every loop has a
 first tile to peel.
 
-Applies (``applies``) on Hopper (capability 9.x) with Triton >= 3.6 to fp16/bf16 inputs of head dim 64,
-128 or 256, lengths that the tiles divide, SPARSE blocks that the tiles divide and that divide the lengths, no
-key_lengths or dropout, no score function that evaluates exp, log, tanh or sqrt per score, and layouts TMA
-can read (``forward_persistent.row_view_rows``).
+Applies (``applies``) on Hopper (capability 9.x) with Triton >= 3.6 to fp16/bf16 inputs of head dim 48, 64,
+80, 96, 128, 160, 192 or 256 (``KEY_TILE``), lengths that the tiles divide, SPARSE blocks that the tiles divide
+and that divide the lengths, no key_lengths or dropout, no score function that evaluates exp, log, tanh or sqrt
+per score, and layouts TMA can read (``forward_persistent.row_view_rows``).
 ``SPARSEFLASH_GLUON``: "auto" (default) where it was measured faster than the Triton forward (rows of
 ``AUTO_ROW_KEYS`` keys or more on average), "1" wherever it applies, "0" never.
 """
@@ -65,24 +67,29 @@ from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.gluon_tools import (listed_walk, named_arrive, named_sync, row_view,
                                                       row_view_coords, tma_load, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
-from sparseflash.attention.triton.plan import KIND_CODES
+from sparseflash.attention.triton.plan import KIND_CODES, head_dim_parts
 from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, key_steps, modded_scores, row_term
 from sparseflash.masks import MaskKind
 
 HALF_M = 64  # query rows of a consumer warpgroup
 BLOCK_M = 2 * HALF_M
-# key rows of a tile and K/V buffers by head dim: 3 of 128 rows fill Hopper's shared memory at 128, 2 of 64 at
-# 256 (beside Q's 64 KiB); at 256 a consumer's O (128 registers a thread) leaves room for scores of 64 keys only
-KEY_TILE = {64: 128, 128: 128, 256: 64}
-STAGES = {64: 4, 128: 3, 256: 2}
+# key rows of a tile and K/V buffers by head dim (head dims that are not powers of two in two parts, ``head_parts``):
+# 3 of 128 rows fill Hopper's shared memory at 128, 2 of 64 at 256 (beside Q's 64 KiB); at 256 a consumer's O (128
+# registers a thread) leaves room for scores of 64 keys only; at 192 a stage of 128 keys (96 KiB) leaves room for
+# no second. On an H100 two stages of 128 keys ran 1.08-1.14x three of 64 at 160; 3 or 4 stages alike at 80 and 96
+KEY_TILE = {48: 128, 64: 128, 80: 128, 96: 128, 128: 128, 160: 128, 192: 64, 256: 64}
+STAGES = {48: 4, 64: 4, 80: 3, 96: 3, 128: 3, 160: 2, 192: 3, 256: 2}
 TILES = {dim: (BLOCK_M, keys) for dim, keys in KEY_TILE.items()}  # (query, key) tiles by head dim
 # "auto" takes it from this mean number of keys a query row walks, by head dim and whether the mask is
 # CAUSAL. On an H100 it ran 1.01-1.33x the Triton forward at or above them, 0.62-0.97x below (one item
 # a program: three warpgroups to start and a pipeline to fill for each); the Triton forward's CAUSAL at
 # head dim 128 is weaker (1.07x from 576 keys). At head dim 256 (64-key tiles, Triton's forward weaker there):
-# 1.11-1.32x from 320 keys, 0.99x at 192-256.
+# 1.11-1.32x from 320 keys, 0.99x at 192-256. Head dims in two parts, against the Triton forward's two parts:
+# 1.07-1.43x from 1,024 keys (160: 1.21x at 512), 0.86-1.02x at 512 (48: 0.97x at 1,024 causal).
 AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, False): 4096, (256, True): 256,
-                 (256, False): 512}
+                 (256, False): 512, (48, True): 2048, (48, False): 1024, (80, True): 1024, (80, False): 1024,
+                 (96, True): 1024, (96, False): 1024, (160, True): 512, (160, False): 1024, (192, True): 1024,
+                 (192, False): 1024}
 UNEQUAL_ROWS = 1.25  # SPARSE rows whose longest has this many times the mean blocks: one work item a program
 
 
@@ -185,18 +192,52 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_num_b
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER,
+def _load_box(desc, desc2, row, col, bar, dst, dst2, HEAD_DIM2: gl.constexpr):
+    """TMA-load the box of ``desc`` at (row, col) into dst and, with HEAD_DIM2, the second part's (desc2's box
+    at the columns after the first part's) into dst2, both arriving on ``bar``."""
+    tma_load(desc, [row, col], bar, dst)
+    if HEAD_DIM2 > 0:
+        tma_load(desc2, [row, col + desc.block_type.shape[1]], bar, dst2)
+
+
+@gluon.jit
+def _issue_scores(q, q2, k, k2, zero_s, HEAD_DIM2: gl.constexpr):
+    """Issue S = Q K^T of a key tile (shared-memory k, (BLOCK_N, HEAD_DIM)), over both parts of the head dim with
+    HEAD_DIM2: one wgmma group a part, the second accumulating into the first's."""
+    s = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if HEAD_DIM2 > 0:
+        s = warpgroup_mma(q2, k2.permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _issue_pv(p_op, p2_op, v, v2, acc, acc2, HEAD_DIM2: gl.constexpr):
+    """Issue acc += P V (and with HEAD_DIM2 acc2 += P V2, P in the second accumulator's operand layout p2_op):
+    one wgmma group a part."""
+    acc = warpgroup_mma(p_op, v, acc, is_async=True)
+    if HEAD_DIM2 > 0:
+        acc2 = warpgroup_mma(p2_op, v2, acc2, is_async=True)
+    return acc, acc2
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem,
+              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
               stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
               heads, groups, q_len, kv_len, n_items, num_programs,
               MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
-              SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+              SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr,
+              STAGES: gl.constexpr):
     """For each work item: Q's two halves once both consumers are done with the previous Q, then K and
     V of each key tile into the ring's next buffer once both consumers released its previous tile (K and V
-    apart with K_EARLY)."""
+    apart with K_EARLY); with HEAD_DIM2, each with its second part (q2/k2/v2)."""
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     K_EARLY: gl.constexpr = STAGES < 3
+    # bytes of a box of Q, K and V with its second part's (``_load_box``)
+    Q_BYTES: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
+    K_BYTES: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
+    V_BYTES: gl.constexpr = v_desc.block_type.nbytes + (v2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
     loads = 0  # key tiles loaded so far: the ring's position
     i = 0  # work items so far: the phase of q_empty
     for item in range(gl.program_id(0), n_items, num_programs):
@@ -210,9 +251,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
         k_row, k_col = row_view_coords(b, h // groups, 0, stride_kb, stride_kh, stride_kn)
         v_row, v_col = row_view_coords(b, h // groups, 0, stride_vb, stride_vh, stride_vn)
         mbarrier.wait(q_empty, (i - 1) & 1, pred=i > 0)
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        tma_load(q_desc, [q_row, q_col], q_ready, q_smem.index(0))
-        tma_load(q_desc, [q_row + HALF_M, q_col], q_ready, q_smem.index(1))
+        mbarrier.expect(q_ready, 2 * Q_BYTES)
+        _load_box(q_desc, q2_desc, q_row, q_col, q_ready, q_smem.index(0), q2_smem.index(0), HEAD_DIM2)
+        _load_box(q_desc, q2_desc, q_row + HALF_M, q_col, q_ready, q_smem.index(1), q2_smem.index(1), HEAD_DIM2)
         for t in range(gl.maximum(n_tiles, 1)):  # a row of no tile loads a first one, which the consumers mask
             stage = loads % STAGES
             kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
@@ -221,35 +262,44 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                 mbarrier.wait(k_empty.index(stage), phase, pred=loads >= STAGES)
             else:
                 mbarrier.wait(v_empty.index(stage), phase, pred=loads >= STAGES)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma_load(k_desc, [k_row + kv_start, k_col], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.expect(k_ready.index(stage), K_BYTES)
+            _load_box(k_desc, k2_desc, k_row + kv_start, k_col, k_ready.index(stage), k_smem.index(stage),
+                      k2_smem.index(stage), HEAD_DIM2)
             if K_EARLY:
                 mbarrier.wait(v_empty.index(stage), phase, pred=loads >= STAGES)
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma_load(v_desc, [v_row + kv_start, v_col], v_ready.index(stage), v_smem.index(stage))
+            mbarrier.expect(v_ready.index(stage), V_BYTES)
+            _load_box(v_desc, v2_desc, v_row + kv_start, v_col, v_ready.index(stage), v_smem.index(stage),
+                      v2_smem.index(stage), HEAD_DIM2)
             loads += 1
         i += 1
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-              FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS,
+def _consumer(q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS,
               stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
               heads, q_len, kv_len, n_items, num_programs, qk_scale,
               WG: gl.constexpr, MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, IS_CAUSAL: gl.constexpr,
               MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SCORE_ROW: gl.constexpr,
               BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+              HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """For each work item, rows [WG * 64, WG * 64 + 64) of its query tile: the online softmax over the key
-    tiles the producer loads, then o (O seen as (rows, HEAD_DIM)) and the lse."""
+    tiles the producer loads, then o (O seen as (rows, HEAD_DIM + HEAD_DIM2)) and the lse. With HEAD_DIM2, the
+    output's second part accumulates in acc2 (0.0 without)."""
     HALF_M: gl.constexpr = q_smem.type.shape[1]
     K_EARLY: gl.constexpr = STAGES < 3
+    PV_GROUPS: gl.constexpr = 2 if HEAD_DIM2 > 0 else 1  # wgmma groups of a P V, which may stay in flight
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
+    # the second part's (a placeholder width without one, unused)
+    o2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM2 if HEAD_DIM2 > 0 else 16, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o2_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_o2: gl.constexpr = gl.SliceLayout(1, o2_layout)
     MY_TURN: gl.constexpr = 8 + WG
     THEIR_TURN: gl.constexpr = 9 - WG
     MAY_BE_EMPTY: gl.constexpr = MASK_KIND == 2 or SCORE_MOD is not None  # a score function may return -inf
@@ -259,6 +309,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
         soft_scale = 1.0
 
     q = q_smem.index(WG)
+    q2 = q2_smem.index(WG)
     rows_s = WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
     rows_o = WG * HALF_M + gl.arange(0, HALF_M, layout=row_o)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -291,7 +342,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
         mbarrier.wait(q_ready, i & 1)
         mbarrier.wait(k_ready.index(used % STAGES), (used // STAGES) & 1)
         turn = named_sync(MY_TURN, turn)
-        s = warpgroup_mma(q, k_smem.index(used % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = _issue_scores(q, q2, k_smem.index(used % STAGES), k2_smem.index(used % STAGES), zero_s, HEAD_DIM2)
         turn = named_arrive(THEIR_TURN, turn)
         s = warpgroup_mma_wait(0, deps=(s,))
         if K_EARLY:
@@ -306,17 +357,22 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
         l_i = gl.sum(p, 1)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+        acc2 = 0.0
+        p2_op = 0.0
+        if HEAD_DIM2 > 0:
+            acc2 = gl.zeros([HALF_M, HEAD_DIM2], gl.float32, o2_layout)
+            p2_op = gl.convert_layout(p_op, p2_layout)
         mbarrier.wait(k_ready.index((used + 1) % STAGES), ((used + 1) // STAGES) & 1, pred=1 < n_loads)
         for j in range(1, n_loads):
             tile = used + j
             stage = tile % STAGES
             prev = (tile - 1) % STAGES
             turn = named_sync(MY_TURN, turn)
-            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = _issue_scores(q, q2, k_smem.index(stage), k2_smem.index(stage), zero_s, HEAD_DIM2)
             mbarrier.wait(v_ready.index(prev), ((tile - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            acc, acc2 = _issue_pv(p_op, p2_op, v_smem.index(prev), v2_smem.index(prev), acc, acc2, HEAD_DIM2)
             turn = named_arrive(THEIR_TURN, turn)
-            s = warpgroup_mma_wait(1, deps=(s,))
+            s = warpgroup_mma_wait(PV_GROUPS, deps=(s,))
             if K_EARLY:
                 mbarrier.arrive(k_empty.index(stage))
             s, shift = _scores(s, j, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term,
@@ -333,15 +389,25 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
             mbarrier.wait(k_ready.index((tile + 1) % STAGES), ((tile + 1) // STAGES) & 1, pred=j + 1 < n_loads)
             p_new = gl.convert_layout(p.to(q.dtype), p_layout)
             alpha_o = gl.convert_layout(alpha, row_o)
-            acc, p_op, p_new, alpha_o, l_i = warpgroup_mma_wait(0, deps=(acc, p_op, p_new, alpha_o, l_i))
+            if HEAD_DIM2 > 0:
+                acc, acc2, p_op, p2_op, p_new, alpha_o, l_i = warpgroup_mma_wait(
+                    0, deps=(acc, acc2, p_op, p2_op, p_new, alpha_o, l_i))
+                acc2 = acc2 * gl.convert_layout(alpha, row_o2)[:, None]
+                p2_op = gl.convert_layout(p_new, p2_layout)
+            else:
+                acc, p_op, p_new, alpha_o, l_i = warpgroup_mma_wait(0, deps=(acc, p_op, p_new, alpha_o, l_i))
             mbarrier.arrive(v_empty.index(prev))  # done with V of tile j - 1 (and K, unless K_EARLY)
             acc = acc * alpha_o[:, None]
             p_op = p_new
         mbarrier.arrive(q_empty)  # every product with Q is done: the producer may load the next item's
         last = used + n_loads - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc, acc2 = _issue_pv(p_op, p2_op, v_smem.index(last % STAGES), v2_smem.index(last % STAGES), acc, acc2,
+                              HEAD_DIM2)
+        if HEAD_DIM2 > 0:
+            acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last % STAGES))
         used += n_loads
         l_o = l_i
@@ -351,7 +417,13 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
             l_o = gl.where(row == float("-inf"), float("inf"), l_o)
         o = acc / gl.convert_layout(l_o, row_o)[:, None]
         out_row = bh * q_len + q_start
-        gl.store(O + (out_row + rows_o).to(gl.int64)[:, None] * HEAD_DIM + cols[None, :], o.to(O.dtype.element_ty))
+        out_rows = (out_row + rows_o).to(gl.int64)[:, None] * (HEAD_DIM + HEAD_DIM2)
+        gl.store(O + out_rows + cols[None, :], o.to(O.dtype.element_ty))
+        if HEAD_DIM2 > 0:
+            o2 = acc2 / gl.convert_layout(l_o, row_o2)[:, None]
+            cols2 = HEAD_DIM + gl.arange(0, HEAD_DIM2, layout=gl.SliceLayout(0, o2_layout))
+            out_rows2 = (out_row + WG * HALF_M + gl.arange(0, HALF_M, layout=row_o2)).to(gl.int64)[:, None]
+            gl.store(O + out_rows2 * (HEAD_DIM + HEAD_DIM2) + cols2[None, :], o2.to(O.dtype.element_ty))
         lse = (m_i * soft_scale + gl.log2(l_i) + row) * 0.6931471805599453
         # the turn value joins the stores, so the named barriers are not dead code
         gl.store(LSE + out_row + rows_s, lse + (turn * 0).to(gl.float32))
@@ -361,22 +433,33 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
 
 
 @gluon.jit(do_not_specialize=[*ROW_LENGTH_ARGS, "n_items"])
-def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS,
+def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+                    ORDER, MODS,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                     stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
                     heads, groups, q_len, kv_len, n_items, num_programs, qk_scale,
                     MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, IS_CAUSAL: gl.constexpr,
                     MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
                     SCORE_ROW: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-                    SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                    SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
+                    STAGES: gl.constexpr):
     """Work items program_id(0), program_id(0) + num_programs, ... of the n_items (batch, head, query tile)
     (``_work_item``). q/k/v_desc read Q, K, V as ``row_view`` matrices (rows of pitch stride_*m, element
-    (b, h, s, 0) at row (b * stride_b + h * stride_h) // pitch + s and column (...) % pitch); O (B, H,
-    q_len, HEAD_DIM) and LSE (B, H, q_len) are contiguous."""
+    (b, h, s, 0) at row (b * stride_b + h * stride_h) // pitch + s and column (...) % pitch) in boxes of
+    HEAD_DIM columns, q2/k2/v2_desc the HEAD_DIM2 columns after them (the same descriptors, unused, without a
+    second part); O (B, H, q_len, HEAD_DIM + HEAD_DIM2) and LSE (B, H, q_len) are contiguous."""
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    if HEAD_DIM2 > 0:
+        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [2, HALF_M, HEAD_DIM2], q2_desc.layout)
+        k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM2], k2_desc.layout)
+        v2_smem = gl.allocate_shared_memory(v2_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM2], v2_desc.layout)
+    else:  # no second part: its buffers are the first's, which nothing reads as theirs
+        q2_smem = q_smem
+        k2_smem = k_smem
+        v2_smem = v_smem
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -393,21 +476,23 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM
 
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O,
-                     LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h,
+        (_consumer, (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h,
                      stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items,
                      num_programs, qk_scale, 0, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD,
-                     SCORE_KEYS, SCORE_ROW, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O,
-                     LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h,
+                     SCORE_KEYS, SCORE_ROW, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+        (_consumer, (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h,
                      stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items,
                      num_programs, qk_scale, 1, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD,
-                     SCORE_KEYS, SCORE_ROW, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     SCORE_KEYS, SCORE_ROW, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem,
+                     v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_qb, stride_qh, stride_qm,
                      stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_num_b, stride_num_h,
                      stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, groups, q_len, kv_len, n_items,
-                     num_programs, MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, STAGES)),
+                     num_programs, MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2,
+                     STAGES)),
     # registers a thread: the consumers' tiles take 240, the producer's loads 24. The producer is one warp, as
     # FlashAttention-4's (whose other three exit): four spun on the same mbarriers, 8 % of the instructions
     # issued, and took issue slots from the consumers (one warp: 0.99-1.05x on an H100, most at hd64)
@@ -437,10 +522,19 @@ FORWARD_GLUON = Launcher(_attn_fwd_gluon)
 def _constexprs(mask_kind: int, longest_first: bool, causal: bool, sparse_block: tuple[int, int], head_dim: int,
                 mods: tuple) -> dict:
     mask_mod, score_mod, score_keys, score_row = mods
+    first, second = head_parts(head_dim)
     return dict(MASK_KIND=mask_kind, LONGEST_FIRST=longest_first, IS_CAUSAL=causal, MASK_MOD=mask_mod,
                 SCORE_MOD=score_mod, SCORE_KEYS=score_keys, SCORE_ROW=score_row, BLOCK_N=KEY_TILE[head_dim],
-                SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=head_dim,
+                SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=first, HEAD_DIM2=second,
                 STAGES=STAGES[head_dim], num_warps=4)
+
+
+def head_parts(head_dim: int) -> tuple[int, int]:
+    """(HEAD_DIM, HEAD_DIM2): a head dim the kernel takes as one power of two (head_dim, 0), or as the two parts
+    ``plan.head_dim_parts`` gives it (96 -> (64, 32)): TMA boxes of each part's width, no padding."""
+    parts = head_dim_parts(head_dim)
+    assert not parts["D_PADDED"], f"the Gluon forward takes no padded head dim, got {head_dim}"
+    return parts["HEAD_DIM"], parts["HEAD_DIM2"]
 
 
 def launch(plan, q, k, v, o, lse, mods: torch.Tensor, ahead: bool = False) -> bool:
@@ -467,7 +561,10 @@ def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
     if None in rows:
         return None
     key_tile = KEY_TILE[q.shape[3]]
-    descriptors = (row_view(q, rows[0], HALF_M), row_view(k, rows[1], key_tile), row_view(v, rows[2], key_tile))
+    first, second = head_parts(q.shape[3])
+    boxes = [(x, x_rows, box_rows) for x, x_rows, box_rows in zip((q, k, v), rows, (HALF_M, key_tile, key_tile))]
+    descriptors = [row_view(x, x_rows, box_rows, first) for x, x_rows, box_rows in boxes]
+    descriptors += [row_view(x, x_rows, box_rows, second) for x, x_rows, box_rows in boxes] if second else descriptors
     tables, table_strides = plan.tables_of("kv")
     n_items = plan.batch * plan.heads * (plan.q_len // BLOCK_M)
     order = _longest_first(plan)

@@ -102,12 +102,12 @@ def layout_rows(per_layout: dict, tensors: tuple) -> list[int | None]:
     return rows
 
 
-def row_view(x: torch.Tensor, rows: int, block_rows: int) -> TensorDescriptor:
-    """A TMA descriptor of (block_rows, D) boxes over x (B, H, S, D) seen as ``rows`` rows of pitch
-    x.stride(2) (``forward_persistent.row_view_rows``)."""
-    pitch, head_dim = x.stride(2), x.shape[3]
-    return TensorDescriptor(x, [rows, pitch], [pitch, 1], [block_rows, head_dim],
-                            shared_layout(block_rows, head_dim, x.dtype))
+def row_view(x: torch.Tensor, rows: int, block_rows: int, columns: int | None = None) -> TensorDescriptor:
+    """A TMA descriptor of (block_rows, columns) boxes (columns: D by default, or a part of the head dim) over
+    x (B, H, S, D) seen as ``rows`` rows of pitch x.stride(2) (``forward_persistent.row_view_rows``)."""
+    pitch, columns = x.stride(2), columns or x.shape[3]
+    return TensorDescriptor(x, [rows, pitch], [pitch, 1], [block_rows, columns],
+                            shared_layout(block_rows, columns, x.dtype))
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, mask, tiles: dict[int, tuple[int, int]], has_key_lengths: bool,
