@@ -1,7 +1,8 @@
 """sparseflash: block-sparse and masked FlashAttention-2 for research.
 
 Public surface: ``attention``, ``BlockMask``, ``masks`` (patterns, ``make``, ``register``),
-``SparseAttention`` and ``tuned`` (tune the Triton kernels' configs for the shapes met inside a block).
+``SparseAttention``, ``tuned`` (tune the Triton kernels' configs for the shapes met inside a block) and
+``wait_for_compiles`` (the kernels first calls compile ahead, before timing or capturing calls).
 """
 
 import contextlib
@@ -11,7 +12,7 @@ from sparseflash import masks
 from sparseflash.attention import SparseAttention, attention, warm_up
 from sparseflash.masks import BlockMask, MaskKind
 
-__all__ = ["attention", "BlockMask", "MaskKind", "masks", "SparseAttention", "tuned"]
+__all__ = ["attention", "BlockMask", "MaskKind", "masks", "SparseAttention", "tuned", "wait_for_compiles"]
 __version__ = "0.1.0"
 
 warm_up.start()  # with a CUDA build of torch: Triton's compiler hash, on a thread (attention/warm_up.py)
@@ -27,3 +28,16 @@ def tuned() -> Iterator[None]:
 
     with tuning_block():
         yield
+
+
+def wait_for_compiles(timeout: float = 300.0) -> bool:
+    """Wait, ``timeout`` seconds at most, for the kernels that first calls started compiling ahead (in forked
+    children; docs/kernels.md, "The first call"), so that the calls after it run them and not the kernels that
+    stand in while they compile (the Triton forward for the Gluon forward, a backward's halves): call it after a
+    first step and before timing steps or capturing them in a CUDA graph. Whether every compile ended (True where
+    none was started: kernels compiled before, the interpreter, no Triton)."""
+    try:
+        from sparseflash.attention.triton import forked
+    except ImportError:  # no Triton: nothing compiles
+        return True
+    return forked.wait_all(timeout)

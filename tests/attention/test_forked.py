@@ -50,3 +50,21 @@ def test_the_child_prints_nothing_through_the_parents_streams(tmp_path, capfd):
     assert out.read_text() == "done"
     captured = capfd.readouterr()
     assert "from the child" not in captured.out and "to stderr" not in captured.err
+
+
+def test_wait_all_waits_for_every_child_started_and_tells_a_timeout(tmp_path):
+    """``sparseflash.wait_for_compiles``'s wait: every child's task ended when it returns True (two children of
+    unequal lengths); False after its timeout while one still runs, which it leaves running."""
+    import sparseflash
+
+    outs = [tmp_path / "fast", tmp_path / "slow"]
+    children = [forked.start(lambda: outs[0].write_text("done")),
+                forked.start(lambda: (time.sleep(1.0), outs[1].write_text("done")))]
+    assert sparseflash.wait_for_compiles(timeout=60)
+    assert all(child.done() for child in children) and all(out.read_text() == "done" for out in outs)
+    sleeper = forked.start(lambda: time.sleep(60))
+    start = time.perf_counter()
+    assert not forked.wait_all(timeout=0.3)
+    assert time.perf_counter() - start < 10 and not sleeper.done()
+    assert not forked.wait(sleeper, timeout=0)  # killed: the next test finds no child left
+    assert forked.wait_all(timeout=30)

@@ -300,6 +300,18 @@ def test_a_stand_in_runs_while_the_kernel_it_stands_in_for_compiles():
     assert launch.standing_in(state, compiling) is None and asked == []
 
 
+def test_nothing_stands_in_while_a_cuda_graph_is_captured(monkeypatch):
+    """A graph would replay the stand-in for good: while a capture runs, the launch waits for its own kernel; the
+    standing in goes on for the calls outside it."""
+    halves = [("cfg", 1), ("cfg", 2)]
+    state = {"stand_in": halves}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert launch.standing_in(state, lambda stand_in: True) is None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert launch.standing_in(state, lambda stand_in: True) == halves
+
+
 def test_halves_that_do_not_fit_the_gpu_end_their_standing_in(monkeypatch):
     """Halves standing in for the fused backward whose launch runs out of shared memory (their config chosen for a
     lighter variant of the key): the call runs the fused kernel, its gradients right, and the standing in ends."""

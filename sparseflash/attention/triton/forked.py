@@ -39,6 +39,12 @@ class Child(Future):
         self.started = time.monotonic()
 
 
+# The children not yet reaped, for ``wait_all``: added by ``start``, taken out by the thread that waits on each
+# child's pipe once its future is resolved
+_IN_FLIGHT: set[Child] = set()
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
 def available() -> bool:
     """Whether this platform forks (not Windows)."""
     return hasattr(os, "fork")
@@ -78,6 +84,8 @@ def start(task: Callable[[], object]) -> Child | None:
             os._exit(0)
     os.close(write_end)
     child = Child(pid)
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.add(child)
     threading.Thread(target=_reap, args=(child, read_end), name="sparseflash-child-wait", daemon=True).start()
     return child
 
@@ -90,6 +98,8 @@ def _reap(child: Child, read_end: int) -> None:
     _, status = os.waitpid(child.pid, 0)
     if done != b"0":
         child.set_exception(ChildFailed(f"child {child.pid} failed (exit status {os.waitstatus_to_exitcode(status)})"))
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.discard(child)
 
 
 def wait(child: Child, timeout: float) -> bool:
@@ -103,3 +113,17 @@ def wait(child: Child, timeout: float) -> bool:
         except ProcessLookupError:  # it exited just now
             pass
         return child.exception() is None
+
+
+def wait_all(timeout: float) -> bool:
+    """Wait for the task of every child started so far to end, ``timeout`` seconds at most in all (a child still
+    running then is left to the ``wait`` of the launch that needs its work); whether all ended."""
+    deadline = time.monotonic() + timeout
+    with _IN_FLIGHT_LOCK:
+        children = list(_IN_FLIGHT)
+    for child in children:
+        try:
+            child.exception(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return False
+    return True

@@ -84,9 +84,10 @@ def standing_in(state: dict, compiling: Callable[[object], bool]):
     """What stands in on this call for a kernel compiling ahead: ``state["stand_in"]``, set by the first call that
     compiled both ahead (the stand-in's launches), while ``compiling(it)`` says that compile is in flight; else
     None. The first call that finds the compile ended (compiled, or failed: the launch then compiles and reports)
-    ends the standing in, for every layout of the plan that keeps ``state``."""
+    ends the standing in, for every layout of the plan that keeps ``state``. None while a CUDA graph is being
+    captured: a graph would replay what stands in for good, so the launch waits for its own kernel instead."""
     stand_in = state.get("stand_in")
-    if stand_in is None:
+    if stand_in is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return None
     if not compiling(stand_in):
         state.pop("stand_in", None)  # (another thread may have ended it)
