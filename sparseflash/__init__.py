@@ -2,7 +2,7 @@
 
 Public surface: ``attention``, ``BlockMask``, ``masks`` (patterns, ``make``, ``register``),
 ``SparseAttention``, ``tuned`` (tune the Triton kernels' configs for the shapes met inside a block) and
-``wait_for_compiles`` (the kernels first calls compile ahead, before timing or capturing calls).
+``wait_for_compiles`` (for the kernels that first calls compile ahead, before timing or capturing calls).
 """
 
 import contextlib

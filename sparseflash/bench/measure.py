@@ -14,6 +14,7 @@ import contextlib
 import math
 import statistics
 import time
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -187,7 +188,9 @@ def time_steps(steps: list[Step], device: torch.device, timing: Timing,
         warm = [_attempt(lambda s=s: _warm_call(s, device, grads)) for s in steps]
         # the kernels sparseflash's first calls compile ahead, which faster-compiling ones stand in for meanwhile:
         # the steady speed, and a CUDA graph, are theirs
-        sparseflash.wait_for_compiles()
+        if not sparseflash.wait_for_compiles():
+            warnings.warn("sparseflash's kernels still compiling after 300 s: the rows may time the kernels that "
+                          "stand in for them")
         if timing.cuda_graph:
             steps = [w if isinstance(w, BaseException) else _attempt(lambda s=s: graphed(s))
                      for s, w in zip(steps, warm)]

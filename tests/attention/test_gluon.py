@@ -216,13 +216,16 @@ def test_gpu_gluon_backward_of_query_tiles_of_64(pattern, dim, monkeypatch):
 @pytest.mark.parametrize("pattern", [p for p in MASKS if p != "causal"])
 def test_gpu_gluon_forward_many_items_a_program(pattern, dim, dtype, monkeypatch):
     """Three programs for the 2 x 4 x 6 query tiles (16 each): the K/V ring, Q's buffer and the turns of the
-    consumers carried from one work item to the next (CAUSAL masks launch one item a program)."""
+    consumers carried from one work item to the next (CAUSAL masks launch one item a program); the Gluon forward
+    ran (no Triton forward standing in)."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     monkeypatch.setattr(forward_gluon, "multiprocessors", lambda device: 3)
     q, k, v, do = _inputs("s768-bshd", dim, dtype)
+    launched = _spy_launches(monkeypatch)
     check_backend("triton", q, k, v, MASKS[pattern](q.shape[2], k.shape[2], q.shape[1]), do)
+    _assert_gluon_ran(launched, dim)
 
 
 @pytest.mark.gpu

@@ -85,7 +85,7 @@ TILES = {dim: (BLOCK_M, keys) for dim, keys in KEY_TILE.items()}  # (query, key)
 # a program: three warpgroups to start and a pipeline to fill for each); the Triton forward's CAUSAL at
 # head dim 128 is weaker (1.07x from 576 keys). At head dim 256 (64-key tiles, Triton's forward weaker there):
 # 1.11-1.32x from 320 keys, 0.99x at 192-256. Head dims in two parts, against the Triton forward's two parts:
-# 1.07-1.43x from 1,024 keys (160: 1.21x at 512), 0.86-1.02x at 512 (48: 0.97x at 1,024 causal).
+# 1.05-1.43x from 1,024 keys (160: 1.21x at 576 causal), 0.86-1.02x at 576 causal (48: 0.97x at 1,088 causal).
 AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, False): 4096, (256, True): 256,
                  (256, False): 512, (48, True): 2048, (48, False): 1024, (80, True): 1024, (80, False): 1024,
                  (96, True): 1024, (96, False): 1024, (160, True): 512, (160, False): 1024, (192, True): 1024,
@@ -529,9 +529,11 @@ def _constexprs(mask_kind: int, longest_first: bool, causal: bool, sparse_block:
                 STAGES=STAGES[head_dim], num_warps=4)
 
 
+@functools.lru_cache(maxsize=None)
 def head_parts(head_dim: int) -> tuple[int, int]:
     """(HEAD_DIM, HEAD_DIM2): a head dim the kernel takes as one power of two (head_dim, 0), or as the two parts
-    ``plan.head_dim_parts`` gives it (96 -> (64, 32)): TMA boxes of each part's width, no padding."""
+    ``plan.head_dim_parts`` gives it (96 -> (64, 32)): TMA boxes of each part's width, no padding. Kept: a launch
+    asks for it (``triton.next_power_of_2`` costs microseconds of host time)."""
     parts = head_dim_parts(head_dim)
     assert not parts["D_PADDED"], f"the Gluon forward takes no padded head dim, got {head_dim}"
     return parts["HEAD_DIM"], parts["HEAD_DIM2"]
