@@ -13,7 +13,8 @@ one-time costs, paid by the first backward of any model in a process):
   second fwd+bwd   the call after it;
   calls 2-10       the nine calls after the first, in all (at head_dim 128 the first backward may run
                    two kernels that stand in for one still compiling: docs/kernels.md, "The first call");
-  steady fwd+bwd   the median of 20 calls after 3 s of calls.
+  steady fwd+bwd   the median of 20 calls once the kernels compiling ahead are compiled
+                   (``sparseflash.wait_for_compiles``).
 
 Point both caches at empty directories to see a first call on a new machine, or run the script
 twice with the same arguments to see the cost in a new process once the caches hold its kernels:
@@ -95,8 +96,8 @@ def main() -> None:
 
     second = _synced(step)
     next_nine = second + _synced(lambda: [step() for _ in range(8)])
-    settle = time.perf_counter() + 3  # a few seconds of training: compiles still running ahead finish
-    while time.perf_counter() < settle:
+    sparseflash.wait_for_compiles()  # the kernels compiling ahead, which those calls may have run stand-ins for
+    for _ in range(3):
         step()
     steady = statistics.median(_synced(step) for _ in range(20))
     print(f"{args.mask} (variant {args.variant}): S={args.seq_len} hd{args.head_dim} B={args.batch} "
