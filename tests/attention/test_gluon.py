@@ -468,3 +468,25 @@ def test_a_launch_key_tells_descriptors_by_dtype_and_box():
         gluon_tools.row_view(x, 2048, 128))
     assert Launcher._tensor_key(gluon_tools.row_view(x, 2048, 64))[:2] == (torch.bfloat16, (64, 128))
     assert Launcher._tensor_key(Standin(torch.bfloat16, (2, 4, 256, 128))) == (torch.bfloat16, True)
+
+
+@pytest.mark.parametrize("dim, parts", [(96, (64, 32)), (80, (64, 16)), (192, (128, 64)), (128, (128, 0))],
+                         ids=lambda value: str(value))
+def test_the_gluon_forward_reads_a_box_per_part_of_the_head_dim(dim, parts):
+    """The launch's descriptors and constexprs: Q, K and V each in boxes of the first part's width, then of the
+    second's (the same descriptors again without a second part), rows of 64 queries and KEY_TILE keys; HEAD_DIM and
+    HEAD_DIM2 the parts."""
+    q = torch.randn(2, 4, 256, dim, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 256, dim, dtype=torch.bfloat16)
+    plan = LaunchPlan(q, k, make("causal", 256), False, dim ** -0.5, None)
+    grid, tensors, scalars, constexprs = forward_gluon._arguments(
+        plan, q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]), plan.placeholder)
+    first, second = parts
+    key_tile = forward_gluon.KEY_TILE[dim]
+    boxes = [list(d.block_shape) for d in tensors[:6]]
+    assert boxes[:3] == [[64, first], [key_tile, first], [key_tile, first]]
+    if second:
+        assert boxes[3:] == [[64, second], [key_tile, second], [key_tile, second]]
+    else:
+        assert all(a is b for a, b in zip(tensors[:3], tensors[3:6]))
+    assert (constexprs["HEAD_DIM"], constexprs["HEAD_DIM2"]) == parts and sum(parts) == dim
