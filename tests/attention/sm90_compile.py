@@ -1,5 +1,6 @@
 """Compile the Gluon kernels for Hopper (sm_90a) on a machine without a GPU: ``python -m tests.attention.sm90_compile``
-(with TRITON_INTERPRET unset) prints ``compiled <case>`` for each case it compiled, through ptxas to a cubin.
+(with TRITON_INTERPRET unset) prints ``compiled <case>`` for each case it compiled, through ptxas to a cubin, within
+an H100's shared memory.
 
 Triton's front end, its passes and ptxas need no GPU; only its driver asks CUDA for the device, stream and
 target. ``Sm90Driver`` answers for them, and the Gluon kernels' own ``launch`` functions build every argument
@@ -21,6 +22,7 @@ from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.masks.functions import trace
 
 SEQ_LEN, HEADS = 512, 4
+HOPPER_SHARED_BYTES = 232448  # shared memory a block may take on an H100 (227 KiB): more compiles, then fails to launch
 
 
 class Sm90Driver:
@@ -121,6 +123,8 @@ def main() -> None:
     for name, case in cases().items():
         compiled = compile_case(*case)
         assert compiled and all(kernel.asm["cubin"] for kernel in compiled), name
+        shared = [kernel.metadata.shared for kernel in compiled]
+        assert max(shared) <= HOPPER_SHARED_BYTES, f"{name}: shared memory {shared} over {HOPPER_SHARED_BYTES} bytes"
         print("compiled", name, flush=True)
 
 
