@@ -400,7 +400,7 @@ def test_the_gluon_kernels_compile_for_hopper_without_a_gpu(tmp_path):
     ALiBi, soft-capping, a document mask_mod with rows of unequal lengths) compiles through ptxas for sm_90a from the
     arguments its ``launch`` builds, in a child process without the interpreter: what a run without a GPU can
     check of kernels it cannot run (an argument the kernel does not take, a name it does not define, a helper
-    Gluon cannot compile)."""
+    Gluon cannot compile, tiles and stages past an H100's shared memory)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton"),
            "SPARSEFLASH_CACHE_DIR": str(tmp_path / "sparseflash")}
     result = subprocess.run([sys.executable, "-m", "tests.attention.sm90_compile"], cwd=Path(__file__).parents[2],
