@@ -71,7 +71,6 @@ def main() -> None:
     do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
 
     start = time.perf_counter()
-    score_mod = None
     if args.mask == "window":
         window = 512 + args.variant
         slope = 1.0 / (1000 + args.variant)
@@ -84,7 +83,7 @@ def main() -> None:
 
         mask = masks.from_mask_mod(sliding, args.seq_len, block=128, device="cuda")
     else:
-        mask = masks.make(args.mask, args.seq_len, block=128)
+        mask, score_mod = masks.make(args.mask, args.seq_len, block=128), None
     build = time.perf_counter() - start
 
     outputs = {}
