@@ -27,9 +27,9 @@ Constexpr flags:
                  MASK_MOD cuts the partial blocks too; a score function gives the tiles' base-2 scores.
   BLOCK_N        key rows of a tile (``KEY_TILE``: 128, 64 at head dims 192 and 256); the query tile is 2 x 64 rows.
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
-  HEAD_DIM, HEAD_DIM2  the head dim, a power of two (HEAD_DIM2 = 0), or its two parts (``head_parts``: 96 = 64 + 32),
-                 each read by TMA boxes of its own width and multiplied apart (S = Q K^T + Q2 K2^T, O and O2 from
-                 P V and P V2): no column padded.
+  HEAD_DIM, HEAD_DIM2  the head dim, a power of two (HEAD_DIM2 = 0), or its two parts (``plan.head_dim_parts``:
+                 96 = 64 + 32), each read by TMA boxes of its own width and multiplied apart (S = Q K^T + Q2 K2^T,
+                 O and O2 from P V and P V2): no column padded.
   STAGES         K/V buffers. A consumer waits for K_{j+1} before it releases V_{j-1}, so that the wait's
                  branch sits between the softmax and the wait for PV_{j-1} (without one, ptxas hoists that
                  wait above the softmax): with 3 or more buffers K_{j+1} goes where tile j-2 was; with 2
@@ -67,16 +67,17 @@ from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.gluon_tools import (listed_walk, named_arrive, named_sync, row_view,
                                                       row_view_coords, tma_load, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
-from sparseflash.attention.triton.plan import KIND_CODES, head_dim_parts
+from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, key_steps, modded_scores, row_term
 from sparseflash.masks import MaskKind
 
 HALF_M = 64  # query rows of a consumer warpgroup
 BLOCK_M = 2 * HALF_M
-# key rows of a tile and K/V buffers by head dim (head dims that are not powers of two in two parts, ``head_parts``):
-# 3 of 128 rows fill Hopper's shared memory at 128, 2 of 64 at 256 (beside Q's 64 KiB); at 256 a consumer's O (128
-# registers a thread) leaves room for scores of 64 keys only; at 192 a stage of 128 keys (96 KiB) leaves room for
-# no second. On an H100 two stages of 128 keys ran 1.08-1.14x three of 64 at 160; 3 or 4 stages alike at 80 and 96
+# key rows of a tile and K/V buffers by head dim (head dims that are not powers of two in two parts,
+# plan.head_dim_parts): 3 of 128 rows fill Hopper's shared memory at 128, 2 of 64 at 256 (beside Q's 64 KiB); at
+# 256 a consumer's O (128 registers a thread) leaves room for scores of 64 keys only; at 192 a stage of 128 keys
+# (96 KiB) leaves room for no second. On an H100 two stages of 128 keys ran 1.08-1.14x three of 64 at 160; 3 or 4
+# stages alike at 80 and 96
 KEY_TILE = {48: 128, 64: 128, 80: 128, 96: 128, 128: 128, 160: 128, 192: 64, 256: 64}
 STAGES = {48: 4, 64: 4, 80: 3, 96: 3, 128: 3, 160: 2, 192: 3, 256: 2}
 TILES = {dim: (BLOCK_M, keys) for dim, keys in KEY_TILE.items()}  # (query, key) tiles by head dim
@@ -520,23 +521,13 @@ FORWARD_GLUON = Launcher(_attn_fwd_gluon)
 
 @functools.lru_cache(maxsize=None)
 def _constexprs(mask_kind: int, longest_first: bool, causal: bool, sparse_block: tuple[int, int], head_dim: int,
-                mods: tuple) -> dict:
+                parts: tuple[int, int], mods: tuple) -> dict:
     mask_mod, score_mod, score_keys, score_row = mods
-    first, second = head_parts(head_dim)
+    first, second = parts
     return dict(MASK_KIND=mask_kind, LONGEST_FIRST=longest_first, IS_CAUSAL=causal, MASK_MOD=mask_mod,
                 SCORE_MOD=score_mod, SCORE_KEYS=score_keys, SCORE_ROW=score_row, BLOCK_N=KEY_TILE[head_dim],
                 SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=first, HEAD_DIM2=second,
                 STAGES=STAGES[head_dim], num_warps=4)
-
-
-@functools.lru_cache(maxsize=None)
-def head_parts(head_dim: int) -> tuple[int, int]:
-    """(HEAD_DIM, HEAD_DIM2): a head dim the kernel takes as one power of two (head_dim, 0), or as the two parts
-    ``plan.head_dim_parts`` gives it (96 -> (64, 32)): TMA boxes of each part's width, no padding. Kept: a launch
-    asks for it (``triton.next_power_of_2`` costs microseconds of host time)."""
-    parts = head_dim_parts(head_dim)
-    assert not parts["D_PADDED"], f"the Gluon forward takes no padded head dim, got {head_dim}"
-    return parts["HEAD_DIM"], parts["HEAD_DIM2"]
 
 
 def launch(plan, q, k, v, o, lse, mods: torch.Tensor, ahead: bool = False) -> bool:
@@ -563,10 +554,14 @@ def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
     if None in rows:
         return None
     key_tile = KEY_TILE[q.shape[3]]
-    first, second = head_parts(q.shape[3])
-    boxes = [(x, x_rows, box_rows) for x, x_rows, box_rows in zip((q, k, v), rows, (HALF_M, key_tile, key_tile))]
-    descriptors = [row_view(x, x_rows, box_rows, first) for x, x_rows, box_rows in boxes]
-    descriptors += [row_view(x, x_rows, box_rows, second) for x, x_rows, box_rows in boxes] if second else descriptors
+    # the head dim's parts (``plan.head_dim_parts``; KEY_TILE lists none with a padded part): a box per part of
+    # each of q, k, v, the first part's again where there is no second
+    parts = plan.head_dim_parts["HEAD_DIM"], plan.head_dim_parts["HEAD_DIM2"]
+    boxes = list(zip((q, k, v), rows, (HALF_M, key_tile, key_tile)))
+    descriptors = [row_view(x, x_rows, box_rows, width) for width in parts if width
+                   for x, x_rows, box_rows in boxes]
+    if not parts[1]:
+        descriptors *= 2
     tables, table_strides = plan.tables_of("kv")
     n_items = plan.batch * plan.heads * (plan.q_len // BLOCK_M)
     order = _longest_first(plan)
@@ -579,7 +574,7 @@ def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *table_strides, plan.heads, plan.groups,
              plan.q_len, plan.kv_len, n_items, programs, plan.qk_scale),
             _constexprs(KIND_CODES[plan.kind], order is not None, plan.causal, plan.sparse_block, q.shape[3],
-                        (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row)))
+                        parts, (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row)))
 
 
 def _longest_first(plan) -> torch.Tensor | None:

@@ -202,7 +202,7 @@ def head_dim_parts(head_dim: int) -> dict:
     >= 16 cover with fewer columns than its padding to one (48 = 32 + 16, 80 = 64 + 16, 96 = 64 + 32,
     160 = 128 + 32, 192 = 128 + 64) is computed as those two parts (HEAD_DIM, HEAD_DIM2), two dots a
     product, up to seven sixteenths less matmul work; others are padded (HEAD_DIM2 = 0). The persistent
-    forward takes powers of two only, the Gluon forward splits without padding (``forward_gluon.head_parts``); the
+    forward takes powers of two only, the Gluon forward those without padding (``forward_gluon.KEY_TILE``); the
     small kernels around the loops pad (``padded_dim``)."""
     padded = max(16, triton.next_power_of_2(head_dim))
     first = padded // 2
