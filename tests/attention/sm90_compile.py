@@ -90,6 +90,9 @@ def cases() -> dict:
         "backward-d128-documents": ("backward", 128, documents, None),
         "backward-d64-alibi": ("backward", 64, causal, alibi),
         "backward-d64-documents": ("backward", 64, documents, None),
+        "backward-d48-causal": ("backward", 48, causal, None),  # 32 + 16, dQ tiles of both parts a warpgroup
+        "backward-d80-alibi": ("backward", 80, causal, alibi),  # 64 + 16, a part's dQ tile a warpgroup
+        "backward-d96-documents": ("backward", 96, documents, None),  # 64 + 32
     }
 
 

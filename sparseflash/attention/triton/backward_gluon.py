@@ -4,8 +4,8 @@ by TMA reduce-add (docs/kernels.md, "The Gluon backward").
 A program holds one 128-key tile of one (batch, key/value head): every key tile of a head next to each other
 (programs that stream the same queries run together, and share them in L2), within a head the longest
 CAUSAL columns first.
-It walks the query tiles (64 rows at head dim 128, 128 at 64: FlashAttention-4's sizes) that see its keys,
-for each query head of its GQA group in turn. Two consumer warpgroups and a producer:
+It walks the query tiles (``BLOCK_M``: 64 rows at head dims 80-128, 128 at 48 and 64; FlashAttention-4's sizes at
+64 and 128) that see its keys, for each query head of its GQA group in turn. Two consumer warpgroups and a producer:
   producer   (one warp, a warpgroup for SPARSE; 24 registers a thread) loads K and V once (two 64-row
              halves each), then Q_i, dO_i, lse2_i and delta_i of each query tile by TMA into a ring of
              STAGES buffers (``q_ready`` / ``q_empty`` mbarriers, two arrivals on ``q_empty``, one per
@@ -17,7 +17,9 @@ for each query head of its GQA group in turn. Two consumer warpgroups and a prod
              dV_w += P^T dO (P^T from registers) issued; the two warpgroups meet (named barrier 10) once
              both halves of dS^T are in shared memory; warpgroup w computes its part of dQ_i = dS K: at
              head dim 128 columns [w D/2, (w + 1) D/2) of the 64 queries, at 64 queries [64 w, 64 w + 64)
-             of the 128 and every column (64 x 64 fp32, 32 registers a thread either way); then
+             of the 128 and every column (64 x 64 fp32, 32 registers a thread either way; a head dim in two
+             parts: at 80 and 96 warpgroup 0 the first part's columns, 1 the second's, at 48 a tile a part
+             of its 64 queries: ``_dq_accumulator``); then
              dK_w += dS^T Q (dS^T from registers) runs while dQ_i goes to a staging buffer and is added
              to an fp32 accumulator by TMA reduce-add. dS^T has two buffers: a warpgroup rewrites one
              only after the barrier of the next tile, which the other passes only after its dQ product
@@ -36,7 +38,9 @@ Constexpr flags:
                  cuts the partial blocks too; dS is scaled by SCORE_MOD's derivative. A separable function's
                  row terms are off lse2 before the kernel starts (``_lse2_less_rows``).
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
-  HEAD_DIM       64 or 128.
+  HEAD_DIM, HEAD_DIM2  the head dim, 64 or 128 (HEAD_DIM2 = 0), or its two parts (``plan.head_dim_parts``: 96 =
+                 64 + 32), each read by TMA boxes of its own width and multiplied apart as in forward_gluon.py
+                 (S^T = K Q^T + K2 Q2^T, dV and dV2, dK and dK2 a part each): no column padded.
   STAGES         Q/dO buffers.
 
 Scores in base 2 as in backward.py: p = exp2(s * qk_scale - lse2) with lse2 = lse * log2(e) from the
@@ -46,13 +50,14 @@ by its derivative; dK = scale * sum dS^T Q, dQ = scale * sum dS K.
 
 Applies (``applies``) on Hopper with Triton >= 3.6 where ``gluon_tools.takes`` the inputs (query tiles of
 ``BLOCK_M``, key tiles of 128), no captured tensor takes a gradient, and the layouts TMA can read;
-``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS`` keys or more on average, "1" wherever it applies,
+``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS`` keys (by head dim) or more on average, "1" wherever it applies,
 "0" never.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -65,20 +70,26 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.forward_persistent import row_view_rows
-from sparseflash.attention.triton.gluon_tools import (listed_walk, named_sync, row_view, row_view_coords, tma_load,
-                                                      tma_reduce_add, walk_tile_start)
+from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, named_sync, row_view,
+                                                      row_view_coords, tma_load, tma_reduce_add, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import key_steps, modded_scores, row_term
 
-BLOCK_M = {128: 64, 64: 128}  # query rows of a streamed tile, by head dim (FlashAttention-4's)
+# query rows of a streamed tile, by head dim (FlashAttention-4's at 64 and 128; head dims in two parts,
+# plan.head_dim_parts, as the power of two above them: at 80 and 96 a consumer's dK and dV (80-96 registers a
+# thread) leave room for scores of 64 queries, not 128)
+BLOCK_M = {48: 128, 64: 128, 80: 64, 96: 64, 128: 64}
 DQ_ROWS = 64  # query rows of a dQ tile a consumer warpgroup adds
 BLOCK_N = 128  # keys a program holds, 64 a consumer warpgroup
 TILES = {dim: (rows, BLOCK_N) for dim, rows in BLOCK_M.items()}  # (query, key) tiles by head dim
 STAGES = 2  # Q/dO buffers: with the dS^T and dQ staging buffers they fill shared memory (198-199 KB)
-# "auto" takes it from this mean number of keys a query row walks. On an H100 it ran 1.04-1.28x the Triton
-# backward at or above it at head dims 64 and 128, 0.84-1.04x below (docs/results/h100_gluon_backward)
-AUTO_ROW_KEYS = 1024
+# "auto" takes it from this mean number of keys a query row walks, by head dim. On an H100 it ran 1.04-1.28x the
+# Triton backward at or above it at head dims 64 and 128, 0.84-1.04x below (docs/results/h100_gluon_backward);
+# head dims in two parts (fwd+bwd, docs/results/h100_gluon_backward_head_dim_parts): 1.16-1.37x from 1,088 keys
+# (CAUSAL S=2048) at 80 and 96 and from 2,048 at 48, 0.72-0.88x at 1,024 dense (96: 1.20x) and below, 0.99x at
+# 48 with 1,088 keys
+AUTO_ROW_KEYS = {48: 2048, 64: 1024, 80: 1088, 96: 1088, 128: 1024}
 # the column tables' strides change with the lengths: new lengths compile nothing new
 TABLE_STRIDE_ARGS = ["stride_num_b", "stride_num_h", "stride_num_n", "stride_idx_b", "stride_idx_h", "stride_idx_n"]
 
@@ -119,26 +130,31 @@ def _column(b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, strid
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
-              v_smem, kv_ready, q_ready, q_empty,
-              FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc, q_smem,
+              do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, kv_ready, q_ready,
+              q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
               stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
               stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride,
               MASK_KIND: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-              SPARSE_BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """K and V of the program's key tile, then Q, dO, lse2 and delta of each query tile of its walk into the
-    ring's next buffer once both consumers released the tile it held."""
+    ring's next buffer once both consumers released the tile it held; with HEAD_DIM2, each of Q, K, V and dO
+    with its second part (q2/k2/v2/do2)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HALF_N: gl.constexpr = BLOCK_N // 2
+    # bytes of a box of K (V's alike) and of Q (dO's alike) with its second part's (``load_box``)
+    K_BYTES: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
+    Q_BYTES: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
     _, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
     k_row, k_col = row_view_coords(b, kv_head, kv_start, stride_kb, stride_kh, stride_kn)
     v_row, v_col = row_view_coords(b, kv_head, kv_start, stride_vb, stride_vh, stride_vn)
-    mbarrier.expect(kv_ready, 4 * k_desc.block_type.nbytes)
-    tma_load(k_desc, [k_row, k_col], kv_ready, k_smem.slice(0, HALF_N))
-    tma_load(k_desc, [k_row + HALF_N, k_col], kv_ready, k_smem.slice(HALF_N, HALF_N))
-    tma_load(v_desc, [v_row, v_col], kv_ready, v_smem.slice(0, HALF_N))
-    tma_load(v_desc, [v_row + HALF_N, v_col], kv_ready, v_smem.slice(HALF_N, HALF_N))
+    mbarrier.expect(kv_ready, 4 * K_BYTES)
+    for half in gl.static_range(2):
+        load_box(k_desc, k2_desc, k_row + half * HALF_N, k_col, kv_ready, k_smem.slice(half * HALF_N, HALF_N),
+                 k2_smem.slice(half * HALF_N, HALF_N), HEAD_DIM2)
+        load_box(v_desc, v2_desc, v_row + half * HALF_N, v_col, kv_ready, v_smem.slice(half * HALF_N, HALF_N),
+                 v2_smem.slice(half * HALF_N, HALF_N), HEAD_DIM2)
     n = 0  # query tiles loaded so far: the ring's position
     for g in range(groups):
         h = kv_head * groups + g
@@ -153,43 +169,64 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_
             q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
             stage = n % STAGES
             mbarrier.wait(q_empty.index(stage), ((n // STAGES) - 1) & 1, pred=n >= STAGES)
-            mbarrier.expect(q_ready.index(stage), 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
-            tma_load(q_desc, [q_row + q_start, q_col], q_ready.index(stage), q_smem.index(stage))
-            tma_load(do_desc, [do_row + q_start, do_col], q_ready.index(stage), do_smem.index(stage))
+            mbarrier.expect(q_ready.index(stage), 2 * Q_BYTES + 2 * lse_desc.block_type.nbytes)
+            load_box(q_desc, q2_desc, q_row + q_start, q_col, q_ready.index(stage), q_smem.index(stage),
+                     q2_smem.index(stage), HEAD_DIM2)
+            load_box(do_desc, do2_desc, do_row + q_start, do_col, q_ready.index(stage), do_smem.index(stage),
+                     do2_smem.index(stage), HEAD_DIM2)
             tma_load(lse_desc, [stats_row + q_start], q_ready.index(stage), lse_smem.index(stage))
             tma_load(delta_desc, [stats_row + q_start], q_ready.index(stage), delta_smem.index(stage))
             n += 1
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready,
-              q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h,
-              stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale,
-              scale, WG: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
-              SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, ds_smem,
+              dq_smem, dq2_smem, kv_ready, q_ready, q_empty, dq_desc, dq2_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM,
+              PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
+              heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr, MASK_KIND: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
+              BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end
-    (DK, DV: (B, key/value heads, kv_len, HEAD_DIM) contiguous), and its part of each tile's dQ."""
+    (DK, DV: (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous; with HEAD_DIM2 their second part's
+    columns in dk2 and dv2), and its part of each tile's dQ (``_dq_accumulator``), staged in dq_smem (and dq2_smem)."""
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     HALF_N: gl.constexpr = BLOCK_N // 2
+    PARTS: gl.constexpr = 2 if HEAD_DIM2 > 0 else 1  # wgmma groups of a product over the head dim
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
-    # a warpgroup's dQ tile: the 64 queries x half the columns (query tiles of 64, head dim 128), or half
-    # the 128 queries x every column (head dim 64); FlashAttention-4 splits dQ the same way
-    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
-    DQ_COLUMNS: gl.constexpr = dq_desc.block_type.shape[1]
+    # the second part's (a placeholder width without one, unused)
+    kv2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM2 if HEAD_DIM2 > 0 else 16, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    a2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv2_layout, k_width=2)
+    # the warpgroup's dQ tiles (``_dq_accumulator``): the first at (DQ_ROW, DQ_COLUMN) of the query tile, of the keys'
+    # columns dq_keys; with SECOND_DQ (query tiles of 128 rows, a head dim in two parts) the second part's beside it
+    DQ_ROWS: gl.constexpr = dq_smem.type.shape[0]
+    DQ_COLUMNS: gl.constexpr = dq_smem.type.shape[1]
+    DQ_BY_ROWS: gl.constexpr = BLOCK_M == 2 * DQ_ROWS
+    OWN_PART: gl.constexpr = not DQ_BY_ROWS and HEAD_DIM2 > 0 and WG == 1  # warpgroup 1 takes the second part
+    SECOND_DQ: gl.constexpr = DQ_BY_ROWS and HEAD_DIM2 > 0
+    DQ_GROUPS: gl.constexpr = 2 if SECOND_DQ else 1
+    DQ_ROW: gl.constexpr = WG * DQ_ROWS if DQ_BY_ROWS else 0
+    DQ_COLUMN: gl.constexpr = 0 if DQ_BY_ROWS else WG * (HEAD_DIM if HEAD_DIM2 > 0 else DQ_COLUMNS)
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLUMNS, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    dq2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, dq2_smem.type.shape[1], 16])
+    if OWN_PART:
+        dq_keys = k2_smem
+        my_dq_desc = dq2_desc
+    else:
+        dq_keys = k_smem.slice(DQ_COLUMN, DQ_COLUMNS, dim=1)
+        my_dq_desc = dq_desc
     bk, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
     my_keys = k_smem.slice(WG * HALF_N, HALF_N)
     my_values = v_smem.slice(WG * HALF_N, HALF_N)
-    DQ_BY_ROWS: gl.constexpr = DQ_COLUMNS == HEAD_DIM
-    dq_row: gl.constexpr = WG * DQ_ROWS * DQ_BY_ROWS  # the warpgroup's dQ tile within the query tile
-    dq_column: gl.constexpr = WG * DQ_COLUMNS * (1 - DQ_BY_ROWS)
-    dq_keys = k_smem.slice(dq_column, DQ_COLUMNS, dim=1)
+    my_keys2 = k2_smem.slice(WG * HALF_N, HALF_N)
+    my_values2 = v2_smem.slice(WG * HALF_N, HALF_N)
     kv_first = kv_start + WG * HALF_N
     offs_kv = kv_first + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     cols_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -197,6 +234,14 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
     zero_dq = gl.zeros([DQ_ROWS, DQ_COLUMNS], gl.float32, dq_layout)
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    dk2 = 0.0
+    dv2 = 0.0
+    zero_dq2 = 0.0
+    if HEAD_DIM2 > 0:
+        dk2 = gl.zeros([HALF_N, HEAD_DIM2], gl.float32, kv2_layout)
+        dv2 = gl.zeros([HALF_N, HEAD_DIM2], gl.float32, kv2_layout)
+    if SECOND_DQ:
+        zero_dq2 = gl.zeros([DQ_ROWS, HEAD_DIM2], gl.float32, dq2_layout)
     sync = heads  # a value the named barrier passes along, which orders it among the products
     # the scale of the scores: the products', or 1 where the score function returns base-2 scores
     soft_scale = qk_scale
@@ -217,10 +262,12 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
             stage = n % STAGES
             q = q_smem.index(stage)
             do = do_smem.index(stage)
+            q2 = q2_smem.index(stage)
+            do2 = do2_smem.index(stage)
             mbarrier.wait(q_ready.index(stage), (n // STAGES) & 1)
-            s_t = warpgroup_mma(my_keys, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dp_t = warpgroup_mma(my_values, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s_t = warpgroup_mma_wait(1, deps=(s_t,))
+            s_t = issue_abt(my_keys, my_keys2, q, q2, zero_s, HEAD_DIM2)
+            dp_t = issue_abt(my_values, my_values2, do, do2, zero_s, HEAD_DIM2)
+            s_t = warpgroup_mma_wait(PARTS, deps=(s_t,))
             q_idx = (q_start + cols_q)[None, :]
             lse2 = lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))
             d_score = 1.0
@@ -247,43 +294,75 @@ def _consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq
             ds_tile = ds_smem.index(n % 2)
             ds_tile.slice(WG * HALF_N, HALF_N).store(ds_t)
             fence_async_shared()
-            dv = warpgroup_mma(p_op, do, dv, is_async=True)
+            p2_op = 0.0
+            if HEAD_DIM2 > 0:
+                p2_op = gl.convert_layout(p_op, a2_layout)
+            dv, dv2 = issue_pv(p_op, p2_op, do, do2, dv, dv2, HEAD_DIM2)
             sync = named_sync(10, sync)  # both halves of dS^T are in shared memory
-            dq = warpgroup_mma(ds_tile.slice(dq_row, DQ_ROWS, dim=1).permute((1, 0)), dq_keys,
-                               zero_dq + (sync * 0).to(gl.float32), use_acc=False, is_async=True)
-            dv, p_op = warpgroup_mma_wait(1, deps=(dv, p_op))
+            ds_rows = ds_tile.slice(DQ_ROW, DQ_ROWS, dim=1).permute((1, 0))
+            dq = warpgroup_mma(ds_rows, dq_keys, zero_dq + (sync * 0).to(gl.float32), use_acc=False, is_async=True)
+            dq2 = 0.0
+            if SECOND_DQ:
+                dq2 = warpgroup_mma(ds_rows, k2_smem, zero_dq2, use_acc=False, is_async=True)
+            if HEAD_DIM2 > 0:
+                dv, dv2, p_op, p2_op = warpgroup_mma_wait(DQ_GROUPS, deps=(dv, dv2, p_op, p2_op))
+            else:
+                dv, p_op = warpgroup_mma_wait(DQ_GROUPS, deps=(dv, p_op))
             ds_op = gl.convert_layout(ds_t, a_layout)
-            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-            dq = warpgroup_mma_wait(1, deps=(dq,))  # dK's product runs under dQ's store
-            tma.store_wait(0)  # the last reduce has read the staging buffer
+            ds2_op = 0.0
+            if HEAD_DIM2 > 0:
+                ds2_op = gl.convert_layout(ds_op, a2_layout)
+            dk, dk2 = issue_pv(ds_op, ds2_op, q, q2, dk, dk2, HEAD_DIM2)
+            # dK's product runs under dQ's store
+            if SECOND_DQ:
+                dq, dq2 = warpgroup_mma_wait(PARTS, deps=(dq, dq2))
+            else:
+                dq = warpgroup_mma_wait(PARTS, deps=(dq,))
+            tma.store_wait(0)  # the last reduce has read the staging buffers
             dq_smem.store(dq)
+            if SECOND_DQ:
+                dq2_smem.store(dq2)
             fence_async_shared()
-            tma_reduce_add(dq_desc, [bh * q_len + q_start + dq_row, dq_column], dq_smem)
-            dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+            dq_row = bh * q_len + q_start + DQ_ROW
+            tma_reduce_add(my_dq_desc, [dq_row, DQ_COLUMN], dq_smem)
+            if SECOND_DQ:
+                tma_reduce_add(dq2_desc, [dq_row, HEAD_DIM], dq2_smem)
+            if HEAD_DIM2 > 0:
+                dk, dk2, ds_op, ds2_op = warpgroup_mma_wait(0, deps=(dk, dk2, ds_op, ds2_op))
+            else:
+                dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
             mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
             n += 1
     rows = bk * kv_len + kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    offs = rows.to(gl.int64)[:, None] * HEAD_DIM + cols[None, :]
+    offs = rows.to(gl.int64)[:, None] * (HEAD_DIM + HEAD_DIM2) + cols[None, :]
     gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty))
     gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+    if HEAD_DIM2 > 0:
+        rows2 = bk * kv_len + kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv2_layout))
+        cols2 = HEAD_DIM + gl.arange(0, HEAD_DIM2, layout=gl.SliceLayout(0, kv2_layout))
+        offs2 = rows2.to(gl.int64)[:, None] * (HEAD_DIM + HEAD_DIM2) + cols2[None, :]
+        gl.store(DK + offs2, (dk2 * scale).to(DK.dtype.element_ty))
+        gl.store(DV + offs2, dv2.to(DV.dtype.element_ty))
     tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
-def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV, FULL_NUM, FULL_IDX,
-                    PART_NUM, PART_IDX, MODS, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h,
-                    stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len,
-                    stats_stride, qk_scale, scale,
+def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, dq_desc, dq2_desc, lse_desc,
+                    delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_qb, stride_qh, stride_qm,
+                    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh,
+                    stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
+                    heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
                     MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
                     SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-                    SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                    SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
+                    STAGES: gl.constexpr):
     """One program per (batch, key/value head, 128-key tile) (``_program_tile``). q/k/v/do_desc read Q, K, V,
-    dO as ``row_view`` matrices, K and V in (64, HEAD_DIM) boxes, Q and dO in (BLOCK_M, HEAD_DIM) ones
-    (``BLOCK_M``: 64 rows at head dim 128, 128 at 64); dq_desc the fp32 dQ accumulator (B * H * q_len,
-    HEAD_DIM) in (64, HEAD_DIM / 2) boxes at head dim 128, (64, HEAD_DIM) at 64; lse_desc and delta_desc
-    lse2 and delta (B * H * stats_stride, from the preprocess) in boxes of BLOCK_M."""
+    dO as ``row_view`` matrices in boxes of HEAD_DIM columns, K and V in 64-row boxes, Q and dO in BLOCK_M-row
+    ones; q2/k2/v2/do2_desc the HEAD_DIM2 columns after them (the same descriptors, unused, without a second
+    part); dq_desc and dq2_desc the fp32 dQ accumulator (B * H * q_len, HEAD_DIM + HEAD_DIM2) in the boxes of
+    the consumers' dQ tiles (``_dq_accumulator``); lse_desc and delta_desc lse2 and delta (B * H * stats_stride,
+    from the preprocess) in boxes of BLOCK_M."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = 2 * k_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -292,10 +371,31 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_de
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    if HEAD_DIM2 > 0:
+        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM2], q2_desc.layout)
+        do2_smem = gl.allocate_shared_memory(do2_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM2], do2_desc.layout)
+        k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [BLOCK_N, HEAD_DIM2], k2_desc.layout)
+        v2_smem = gl.allocate_shared_memory(v2_desc.dtype, [BLOCK_N, HEAD_DIM2], v2_desc.layout)
+    else:  # no second part: its buffers are the first's, which nothing reads as theirs
+        q2_smem = q_smem
+        do2_smem = do_smem
+        k2_smem = k_smem
+        v2_smem = v_smem
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    # the consumers' dQ staging buffers (``_dq_accumulator``): warpgroup 1 stages the second part's tile where it
+    # takes that part (query tiles of 64 rows, a head dim in two parts), each stages both parts' at 128 rows
     dq_smem0 = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
-    dq_smem1 = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+    if BLOCK_M == 64 and HEAD_DIM2 > 0:
+        dq_smem1 = gl.allocate_shared_memory(gl.float32, dq2_desc.block_type.shape, dq2_desc.layout)
+    else:
+        dq_smem1 = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+    if BLOCK_M == 128 and HEAD_DIM2 > 0:
+        dq2_smem0 = gl.allocate_shared_memory(gl.float32, dq2_desc.block_type.shape, dq2_desc.layout)
+        dq2_smem1 = gl.allocate_shared_memory(gl.float32, dq2_desc.block_type.shape, dq2_desc.layout)
+    else:  # no second dQ tile: the first's buffers, unused as the second's
+        dq2_smem0 = dq_smem0
+        dq2_smem1 = dq_smem1
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -306,22 +406,25 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_de
 
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem0, kv_ready,
-                     q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b,
-                     stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
-                     kv_len, qk_scale, scale, 0, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N,
-                     SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem1, kv_ready,
-                     q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b,
-                     stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
-                     kv_len, qk_scale, scale, 1, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N,
-                     SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
-                     k_smem, v_smem, kv_ready, q_ready, q_empty,
-                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-                     stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b,
-                     stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
-                     kv_len, stats_stride, MASK_KIND, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, STAGES)),
+        (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
+                     ds_smem, dq_smem0, dq2_smem0, kv_ready, q_ready, q_empty, dq_desc, dq2_desc, DK, DV, FULL_NUM,
+                     FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                     stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0, MASK_KIND,
+                     IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM,
+                     HEAD_DIM2, STAGES)),
+        (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
+                     ds_smem, dq_smem1, dq2_smem1, kv_ready, q_ready, q_empty, dq_desc, dq2_desc, DK, DV, FULL_NUM,
+                     FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                     stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1, MASK_KIND,
+                     IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM,
+                     HEAD_DIM2, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc,
+                     q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
+                     kv_ready, q_ready, q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_qb, stride_qh,
+                     stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob,
+                     stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
+                     stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND, BLOCK_N, SPARSE_BLOCK_M,
+                     SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
     # registers a thread: the consumers' dK, dV and tiles take 240, the producer's loads 24. The producer is one
     # warp for DENSE and CAUSAL, as the forward's (dense rows 1.03x as fast from S=16384 on an H100, the rest
     # within the spread), four for SPARSE, whose rows at head dim 64 ran 0.95-0.96x as fast with one
@@ -349,8 +452,9 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
     """Whether calls with these inputs and mask take this backward (on a GPU ``launch.gluon_hopper``
     admits): ``gluon_tools.takes`` them, no tensor a score function captures takes a gradient
     (``trains_captures``: this kernel computes none), and with "auto", rows of ``row_keys`` keys on average,
-    at least AUTO_ROW_KEYS. The layouts are checked at launch."""
-    return not trains_captures and gluon_tools.chosen(q, k, mask, TILES, row_keys, AUTO_ROW_KEYS, has_key_lengths,
+    at least AUTO_ROW_KEYS's. The layouts are checked at launch."""
+    return not trains_captures and gluon_tools.chosen(q, k, mask, TILES, row_keys,
+                                                      AUTO_ROW_KEYS.get(q.shape[3], math.inf), has_key_lengths,
                                                       dropout)
 
 
@@ -368,16 +472,20 @@ def _rows_off(plan, lse2, mods: torch.Tensor, stats_stride: int, block_m: int, a
                                                                   TILE=block_m))
 
 
-@functools.lru_cache(maxsize=None)
-def _dq_layout():
-    # fp32 rows of 128 bytes a swizzle atom: TMA reduces at ~1.8x the rate of unswizzled boxes (H100)
-    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-
-
-def _dq_accumulator(rows: int, head_dim: int, device) -> tuple[torch.Tensor, TensorDescriptor]:
+def _dq_accumulator(rows: int, parts: tuple[int, int], block_m: int,
+                    device) -> tuple[torch.Tensor, TensorDescriptor, TensorDescriptor]:
+    """dQ's fp32 accumulator (rows, head dim) and the descriptors of the consumers' dQ tiles of DQ_ROWS query
+    rows, (dq_desc, dq2_desc): with query tiles of 2 x DQ_ROWS rows (head dims 48 and 64) each warpgroup adds its
+    half of the rows, a tile a part of the head dim (``plan.head_dim_parts``: the first's columns, then the
+    second's); with tiles of DQ_ROWS rows every row, warpgroup 0 the first part's columns and 1 the second's, or
+    half the columns each at a power of two (128). Boxes of fp32 rows of 128 bytes a swizzle atom where they are
+    that wide: TMA reduces at ~1.8x the rate of unswizzled boxes (H100)."""
+    first, second = parts
+    head_dim = first + second
     dq_acc = torch.zeros(rows, head_dim, dtype=torch.float32, device=device)
-    columns = head_dim if BLOCK_M[head_dim] == 2 * DQ_ROWS else head_dim // 2
-    return dq_acc, TensorDescriptor(dq_acc, [rows, head_dim], [head_dim, 1], [DQ_ROWS, columns], _dq_layout())
+    widths = (first, second) if second else (first,) * 2 if block_m == 2 * DQ_ROWS else (first // 2,) * 2
+    return dq_acc, *(TensorDescriptor(dq_acc, [rows, head_dim], [head_dim, 1], [DQ_ROWS, width],
+                                      gluon_tools.shared_layout(DQ_ROWS, width, torch.float32)) for width in widths)
 
 
 @functools.lru_cache(maxsize=None)
@@ -391,11 +499,12 @@ def _stats(x: torch.Tensor, block_m: int) -> TensorDescriptor:
 
 
 @functools.lru_cache(maxsize=None)
-def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], head_dim: int, mods: tuple) -> dict:
+def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], parts: tuple[int, int],
+                mods: tuple) -> dict:
     mask_mod, score_mod, score_keys = mods
     return dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, MASK_MOD=mask_mod, SCORE_MOD=score_mod, SCORE_KEYS=score_keys,
                 SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1],
-                HEAD_DIM=head_dim, STAGES=STAGES, num_warps=4)
+                HEAD_DIM=parts[0], HEAD_DIM2=parts[1], STAGES=STAGES, num_warps=4)
 
 
 def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods: torch.Tensor, stats_stride: int,
@@ -451,18 +560,25 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dk, dv, mods: torch.Tenso
         do = Standin(do.dtype, do.shape) if ahead else do.clone(memory_format=torch.contiguous_format)
         rows = [*rows[:3], row_view_rows(do)]
     block_m = BLOCK_M[q.shape[3]]
-    q_desc = row_view(q, rows[0], block_m)
-    # a descriptor's key is its dtype, box and layout: q's stands for dO's ahead, the accumulator's for the stats'
-    descriptors = (q_desc, row_view(k, rows[1], BLOCK_N // 2), row_view(v, rows[2], BLOCK_N // 2),
-                   q_desc if ahead else row_view(do, rows[3], block_m))
-    dq_acc, dq_desc = _dq_accumulator(block_m if ahead else plan.batch * plan.heads * plan.q_len, q.shape[3],
-                                      q.device)
+    parts = plan.head_dim_parts["HEAD_DIM"], plan.head_dim_parts["HEAD_DIM2"]
+
+    def boxes(width: int) -> tuple:  # q, k, v and do's descriptors of boxes of a part's columns
+        q_desc = row_view(q, rows[0], block_m, width)
+        # a descriptor's key is its dtype, box and layout: q's stands for dO's ahead, the accumulator's for the stats'
+        return (q_desc, row_view(k, rows[1], BLOCK_N // 2, width), row_view(v, rows[2], BLOCK_N // 2, width),
+                q_desc if ahead else row_view(do, rows[3], block_m, width))
+
+    # a box per part of the head dim (BLOCK_M lists none with a padded part), the first part's again without a second
+    first_part = boxes(parts[0])
+    descriptors = (*first_part, *(boxes(parts[1]) if parts[1] else first_part))
+    dq_acc, *dq_descs = _dq_accumulator(block_m if ahead else plan.batch * plan.heads * plan.q_len, parts,
+                                        block_m, q.device)
     lse_desc, delta_desc = (_stats(dq_acc, block_m), _stats(dq_acc, block_m)) if ahead else (
         _stats(stats[0], block_m), _stats(stats[1], block_m))
     tables, table_strides = plan.tables_of("q")
     return ((plan.batch * plan.kv_heads * (plan.kv_len // BLOCK_N),),
-            (*descriptors, dq_desc, lse_desc, delta_desc, dk, dv, *tables, mods),
+            (*descriptors, *dq_descs, lse_desc, delta_desc, dk, dv, *tables, mods),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *table_strides, plan.heads,
              plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
-            _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, q.shape[3],
+            _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, parts,
                         (plan.mask_mod, plan.score_mod, plan.score_keys))), dq_acc

@@ -60,12 +60,12 @@ import math
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
 from sparseflash.attention.kept_tensors import made_outside_graph_pools
 from sparseflash.attention.triton import gluon_tools
-from sparseflash.attention.triton.gluon_tools import (listed_walk, named_arrive, named_sync, row_view,
-                                                      row_view_coords, tma_load, walk_tile_start)
+from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, named_arrive,
+                                                      named_sync, row_view, row_view_coords, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, key_steps, modded_scores, row_term
@@ -193,35 +193,6 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_num_b
 
 
 @gluon.jit
-def _load_box(desc, desc2, row, col, bar, dst, dst2, HEAD_DIM2: gl.constexpr):
-    """TMA-load the box of ``desc`` at (row, col) into dst and, with HEAD_DIM2, the second part's (desc2's box
-    at the columns after the first part's) into dst2, both arriving on ``bar``."""
-    tma_load(desc, [row, col], bar, dst)
-    if HEAD_DIM2 > 0:
-        tma_load(desc2, [row, col + desc.block_type.shape[1]], bar, dst2)
-
-
-@gluon.jit
-def _issue_scores(q, q2, k, k2, zero_s, HEAD_DIM2: gl.constexpr):
-    """Issue S = Q K^T of a key tile (shared-memory k, (BLOCK_N, HEAD_DIM)), over both parts of the head dim with
-    HEAD_DIM2: one wgmma group a part, the second accumulating into the first's."""
-    s = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    if HEAD_DIM2 > 0:
-        s = warpgroup_mma(q2, k2.permute((1, 0)), s, is_async=True)
-    return s
-
-
-@gluon.jit
-def _issue_pv(p_op, p2_op, v, v2, acc, acc2, HEAD_DIM2: gl.constexpr):
-    """Issue acc += P V (and with HEAD_DIM2 acc2 += P V2, P in the second accumulator's operand layout p2_op):
-    one wgmma group a part."""
-    acc = warpgroup_mma(p_op, v, acc, is_async=True)
-    if HEAD_DIM2 > 0:
-        acc2 = warpgroup_mma(p2_op, v2, acc2, is_async=True)
-    return acc, acc2
-
-
-@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem,
               q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -253,8 +224,8 @@ def _producer(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem,
         v_row, v_col = row_view_coords(b, h // groups, 0, stride_vb, stride_vh, stride_vn)
         mbarrier.wait(q_empty, (i - 1) & 1, pred=i > 0)
         mbarrier.expect(q_ready, 2 * Q_BYTES)
-        _load_box(q_desc, q2_desc, q_row, q_col, q_ready, q_smem.index(0), q2_smem.index(0), HEAD_DIM2)
-        _load_box(q_desc, q2_desc, q_row + HALF_M, q_col, q_ready, q_smem.index(1), q2_smem.index(1), HEAD_DIM2)
+        load_box(q_desc, q2_desc, q_row, q_col, q_ready, q_smem.index(0), q2_smem.index(0), HEAD_DIM2)
+        load_box(q_desc, q2_desc, q_row + HALF_M, q_col, q_ready, q_smem.index(1), q2_smem.index(1), HEAD_DIM2)
         for t in range(gl.maximum(n_tiles, 1)):  # a row of no tile loads a first one, which the consumers mask
             stage = loads % STAGES
             kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
@@ -264,12 +235,12 @@ def _producer(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem,
             else:
                 mbarrier.wait(v_empty.index(stage), phase, pred=loads >= STAGES)
             mbarrier.expect(k_ready.index(stage), K_BYTES)
-            _load_box(k_desc, k2_desc, k_row + kv_start, k_col, k_ready.index(stage), k_smem.index(stage),
+            load_box(k_desc, k2_desc, k_row + kv_start, k_col, k_ready.index(stage), k_smem.index(stage),
                       k2_smem.index(stage), HEAD_DIM2)
             if K_EARLY:
                 mbarrier.wait(v_empty.index(stage), phase, pred=loads >= STAGES)
             mbarrier.expect(v_ready.index(stage), V_BYTES)
-            _load_box(v_desc, v2_desc, v_row + kv_start, v_col, v_ready.index(stage), v_smem.index(stage),
+            load_box(v_desc, v2_desc, v_row + kv_start, v_col, v_ready.index(stage), v_smem.index(stage),
                       v2_smem.index(stage), HEAD_DIM2)
             loads += 1
         i += 1
@@ -343,7 +314,7 @@ def _consumer(q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empt
         mbarrier.wait(q_ready, i & 1)
         mbarrier.wait(k_ready.index(used % STAGES), (used // STAGES) & 1)
         turn = named_sync(MY_TURN, turn)
-        s = _issue_scores(q, q2, k_smem.index(used % STAGES), k2_smem.index(used % STAGES), zero_s, HEAD_DIM2)
+        s = issue_abt(q, q2, k_smem.index(used % STAGES), k2_smem.index(used % STAGES), zero_s, HEAD_DIM2)
         turn = named_arrive(THEIR_TURN, turn)
         s = warpgroup_mma_wait(0, deps=(s,))
         if K_EARLY:
@@ -369,9 +340,9 @@ def _consumer(q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empt
             stage = tile % STAGES
             prev = (tile - 1) % STAGES
             turn = named_sync(MY_TURN, turn)
-            s = _issue_scores(q, q2, k_smem.index(stage), k2_smem.index(stage), zero_s, HEAD_DIM2)
+            s = issue_abt(q, q2, k_smem.index(stage), k2_smem.index(stage), zero_s, HEAD_DIM2)
             mbarrier.wait(v_ready.index(prev), ((tile - 1) // STAGES) & 1)
-            acc, acc2 = _issue_pv(p_op, p2_op, v_smem.index(prev), v2_smem.index(prev), acc, acc2, HEAD_DIM2)
+            acc, acc2 = issue_pv(p_op, p2_op, v_smem.index(prev), v2_smem.index(prev), acc, acc2, HEAD_DIM2)
             turn = named_arrive(THEIR_TURN, turn)
             s = warpgroup_mma_wait(PV_GROUPS, deps=(s,))
             if K_EARLY:
@@ -403,7 +374,7 @@ def _consumer(q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empt
         mbarrier.arrive(q_empty)  # every product with Q is done: the producer may load the next item's
         last = used + n_loads - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        acc, acc2 = _issue_pv(p_op, p2_op, v_smem.index(last % STAGES), v2_smem.index(last % STAGES), acc, acc2,
+        acc, acc2 = issue_pv(p_op, p2_op, v_smem.index(last % STAGES), v2_smem.index(last % STAGES), acc, acc2,
                               HEAD_DIM2)
         if HEAD_DIM2 > 0:
             acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))

@@ -10,7 +10,7 @@ import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import builtin
 
@@ -44,6 +44,38 @@ def named_arrive(barrier: gl.constexpr, x):
     """``bar.arrive barrier, 256``: let the other consumer warpgroup's ``named_sync`` pass. Returns x."""
     return gl.inline_asm_elementwise(f"bar.arrive {barrier}, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
                                      is_pure=False, pack=1)
+
+
+@gluon.jit
+def load_box(desc, desc2, row, col, bar, dst, dst2, HEAD_DIM2: gl.constexpr):
+    """TMA-load the box of ``desc`` at (row, col) into dst and, with HEAD_DIM2 (a head dim in two parts,
+    ``plan.head_dim_parts``), the second part's (desc2's box at the columns after the first part's) into dst2,
+    both arriving on ``bar``."""
+    tma_load(desc, [row, col], bar, dst)
+    if HEAD_DIM2 > 0:
+        tma_load(desc2, [row, col + desc.block_type.shape[1]], bar, dst2)
+
+
+@gluon.jit
+def issue_abt(a, a2, b, b2, zero, HEAD_DIM2: gl.constexpr):
+    """Issue A B^T (shared-memory a (M, HEAD_DIM) and b (N, HEAD_DIM): S = Q K^T, or in the backward S^T = K Q^T
+    and dP^T = V dO^T) over both parts of the head dim with HEAD_DIM2 (a2, b2 the second's): one wgmma group a
+    part, the second accumulating into the first's."""
+    s = warpgroup_mma(a, b.permute((1, 0)), zero, use_acc=False, is_async=True)
+    if HEAD_DIM2 > 0:
+        s = warpgroup_mma(a2, b2.permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def issue_pv(p_op, p2_op, v, v2, acc, acc2, HEAD_DIM2: gl.constexpr):
+    """Issue acc += P V (register operand p_op, shared-memory v (K, HEAD_DIM): O += P V, or in the backward
+    dV += P^T dO and dK += dS^T Q) and with HEAD_DIM2 acc2 += P V2 (P in the second accumulator's operand
+    layout p2_op): one wgmma group a part."""
+    acc = warpgroup_mma(p_op, v, acc, is_async=True)
+    if HEAD_DIM2 > 0:
+        acc2 = warpgroup_mma(p2_op, v2, acc2, is_async=True)
+    return acc, acc2
 
 
 @gluon.jit
