@@ -83,13 +83,14 @@ BLOCK_M = {48: 128, 64: 128, 80: 64, 96: 64, 128: 64}
 DQ_ROWS = 64  # query rows of a dQ tile a consumer warpgroup adds
 BLOCK_N = 128  # keys a program holds, 64 a consumer warpgroup
 TILES = {dim: (rows, BLOCK_N) for dim, rows in BLOCK_M.items()}  # (query, key) tiles by head dim
-STAGES = 2  # Q/dO buffers: with the dS^T and dQ staging buffers they fill shared memory (198-199 KB)
+# Q/dO buffers: with the dS^T and dQ staging buffers they fill shared memory at 64 and 128 (198-199 KB); at 80 and
+# 96 (137-157 KB) three ran 0.90-1.05x as long as two on an H100, no better on the whole
+STAGES = 2
 # "auto" takes it from this mean number of keys a query row walks, by head dim. On an H100 it ran 1.04-1.28x the
 # Triton backward at or above it at head dims 64 and 128, 0.84-1.04x below (docs/results/h100_gluon_backward);
-# head dims in two parts (fwd+bwd, docs/results/h100_gluon_backward_head_dim_parts): 1.16-1.37x from 1,088 keys
-# (CAUSAL S=2048) at 80 and 96 and from 2,048 at 48, 0.72-0.88x at 1,024 dense (96: 1.20x) and below, 0.99x at
-# 48 with 1,088 keys
-AUTO_ROW_KEYS = {48: 2048, 64: 1024, 80: 1088, 96: 1088, 128: 1024}
+# head dims in two parts (fwd+bwd, docs/results/h100_gluon_backward_head_dim_parts): 1.02-1.34x from 576 keys
+# (CAUSAL S=1024) at 80 and 96 and from 512 at 48, 0.82-1.01x at 320-512 keys below them, 0.59-0.95x at 256 keys
+AUTO_ROW_KEYS = {48: 512, 64: 1024, 80: 576, 96: 576, 128: 1024}
 # the column tables' strides change with the lengths: new lengths compile nothing new
 TABLE_STRIDE_ARGS = ["stride_num_b", "stride_num_h", "stride_num_n", "stride_idx_b", "stride_idx_h", "stride_idx_n"]
 
