@@ -93,6 +93,8 @@ def cases() -> dict:
         "backward-d48-causal": ("backward", 48, causal, None),  # 32 + 16, dQ tiles of both parts a warpgroup
         "backward-d80-alibi": ("backward", 80, causal, alibi),  # 64 + 16, a part's dQ tile a warpgroup
         "backward-d96-documents": ("backward", 96, documents, None),  # 64 + 32
+        "backward-d160-causal": ("backward", 160, causal, None),  # a part's columns a warpgroup: 128 | 32
+        "backward-d192-alibi": ("backward", 192, causal, alibi),  # 128 | 64
     }
 
 
@@ -103,7 +105,8 @@ def compile_case(direction: str, dim: int, mask, score_mod) -> list:
     plan = LaunchPlan(q, q, mask, False, dim ** -0.5, score_graph)
     mods = plan.mods_table(plan.captures(score_graph))
     module = forward_gluon if direction == "forward" else backward_gluon
-    launchers = {"forward": ["FORWARD_GLUON"], "backward": ["BACKWARD_GLUON", "LSE2_LESS_ROWS"]}[direction]
+    launchers = {"forward": ["FORWARD_GLUON"],
+                 "backward": ["BACKWARD_GLUON", "BACKWARD_GLUON_WIDE", "LSE2_LESS_ROWS"]}[direction]
     stand_ins = {name: CompileOnly(getattr(module, name).kernel) for name in launchers}
     originals = {name: getattr(module, name) for name in launchers}
     for name, stand_in in stand_ins.items():

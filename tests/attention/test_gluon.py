@@ -85,7 +85,7 @@ def _spy_launches(monkeypatch) -> dict[str, list[bool]]:
 @pytest.mark.parametrize("pattern", list(MASKS))
 def test_gpu_gluon_kernels_match_reference(pattern, shape, dim, dtype, monkeypatch):
     """o, lse and the gradients against the reference; GQA (4 query heads on 2 key/value heads); the Gluon
-    forward and (head dims 48-128) backward launched for every call, head dims that are not powers of two in two
+    forward and (head dims 48-192) backward launched for every call, head dims that are not powers of two in two
     parts (SPARSEFLASH_GLUON=1)."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
@@ -198,7 +198,7 @@ def test_gpu_gluon_alibi_keeps_precision_far_along_the_sequence(monkeypatch):
 @pytest.mark.parametrize("pattern", ["dense", "causal"])
 def test_gpu_gluon_backward_of_query_tiles_of_64(pattern, dim, monkeypatch):
     """192 queries on 256 keys: the Triton forward (its query tiles are 128), the Gluon backward (64 at head
-    dims 80-128, in two parts at 96; 128 at 48 and 64)."""
+    dims 80-192, in two parts at 96; 128 at 48 and 64)."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
@@ -321,7 +321,7 @@ def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
     ("dense", True, True), ("causal", True, True), ("butterfly", True, True), ("local-causal-256", True, True),
     ("fp32", False, False), ("d96", True, True), ("d48", True, True), ("d72", False, False), ("d112", False, False),
     ("d96-q192", False, True), ("d48-q192", False, False),
-    ("d160-kv320", False, False), ("d192-kv320", True, False),
+    ("d160-kv320", False, True), ("d192-kv320", True, True), ("d160-q192", False, True),
     ("d256", True, False), ("d256-kv320", True, False), ("d256-kv288", False, False), ("q192", False, True),
     ("d64-q192", False, False), ("d64-q384", True, True),
     ("q200", False, False), ("kv300", False, False), ("blocks-64", False, False), ("ragged-last-block", False, False),
@@ -330,15 +330,16 @@ def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
 ], ids=str)
 def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
     """fp16/bf16 of head dim 64, 128 or 256 or one of two parts without padding (48, 80, 96, 160, 192; not 72, whose
-    second part would be padded, nor 112, padded to 128) (the backward 48-128), lengths that the tiles divide
-    (forward: 128 queries and 128 keys, 64 at head dims 192 and 256; backward: 64 queries at head dims 80-128, 128 at
-    48 and 64, and 128 keys), SPARSE blocks that the tiles divide and that divide
+    second part would be padded, nor 112, padded to 128) (the backward 48-192), lengths that the tiles divide
+    (forward: 128 queries and 128 keys, 64 at head dims 192 and 256; backward: 64 queries at head dims 80-192, 128 at
+    48 and 64, and 128 keys, 64 at 160 and 192), SPARSE blocks that the tiles divide and that divide
     the lengths, no key_lengths or dropout; the forward no score function that evaluates exp, log, tanh or sqrt
     per score, the backward none whose captured tensors take gradients (SPARSEFLASH_GLUON=1; the GPU and Triton
     are ``gluon_hopper``'s)."""
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     shapes = dict(fp32=dict(dtype=torch.float32), d96=dict(dim=96), d48=dict(dim=48), d72=dict(dim=72),
-                  d112=dict(dim=112), **{"d96-q192": dict(q_len=192, dim=96), "d48-q192": dict(q_len=192, dim=48)},
+                  d112=dict(dim=112), **{"d96-q192": dict(q_len=192, dim=96), "d48-q192": dict(q_len=192, dim=48),
+                                         "d160-q192": dict(q_len=192, dim=160)},
                   d256=dict(dim=256), q192=dict(q_len=192),
                   **{"d160-kv320": dict(kv_len=320, dim=160), "d192-kv320": dict(kv_len=320, dim=192)},
                   **{"d256-kv320": dict(kv_len=320, dim=256), "d256-kv288": dict(kv_len=288, dim=256)},
@@ -398,7 +399,7 @@ def test_gluon_backward_auto_takes_rows_of_many_keys(monkeypatch):
 
 
 def test_the_gluon_kernels_compile_for_hopper_without_a_gpu(tmp_path):
-    """Each case of ``sm90_compile.cases`` (forward at head dims 48-256, backward at 48-128, causal,
+    """Each case of ``sm90_compile.cases`` (forward at head dims 48-256, backward at 48-192, causal,
     ALiBi, soft-capping, a document mask_mod with rows of unequal lengths) compiles through ptxas for sm_90a from the
     arguments its ``launch`` builds, in a child process without the interpreter: what a run without a GPU can
     check of kernels it cannot run (an argument the kernel does not take, a name it does not define, a helper
@@ -498,19 +499,24 @@ def test_the_gluon_forward_reads_a_box_per_part_of_the_head_dim(dim, parts):
                                                   (80, (64, 16), ([64, 64], [64, 16])),
                                                   (96, (64, 32), ([64, 64], [64, 32])),
                                                   (64, (64, 0), ([64, 64], [64, 64])),
-                                                  (128, (128, 0), ([64, 64], [64, 64]))], ids=lambda value: str(value))
+                                                  (128, (128, 0), ([64, 64], [64, 64])),
+                                                  (160, (128, 32), ([64, 64], [64, 32])),
+                                                  (192, (128, 64), ([64, 64], [64, 64]))], ids=lambda value: str(value))
 def test_the_gluon_backward_reads_a_box_per_part_of_the_head_dim(dim, parts, dq_boxes):
-    """The launch's descriptors and constexprs: Q, K, V and dO each in boxes of the first part's width, then of
-    the second's (the same descriptors again without a second part), BLOCK_M queries and 64 keys; dQ's
-    accumulator in the boxes of the consumers' dQ tiles (a part each, or at 128 half the columns each); HEAD_DIM and
-    HEAD_DIM2 the parts."""
+    """The launch's kernel, descriptors and constexprs: Q, K, V and dO each in boxes of the first part's width, then
+    of the second's (the same descriptors again without a second part), BLOCK_M queries and 64 keys; dQ's
+    accumulator in the boxes of the consumers' dQ tiles (a part each, or at 128 half the columns each; at 160 and
+    192, whose warpgroups split the columns, chunks of at most 64); HEAD_DIM and HEAD_DIM2 the parts."""
     q = torch.randn(2, 4, 256, dim, dtype=torch.bfloat16)
     k = torch.randn(2, 2, 256, dim, dtype=torch.bfloat16)
     plan = LaunchPlan(q, k, make("causal", 256), False, dim ** -0.5, None)
     stats = torch.zeros(8, 256)
-    (grid, tensors, scalars, constexprs), dq_acc = backward_gluon._arguments(
+    kernel, (grid, tensors, scalars, constexprs), dq_acc = backward_gluon._arguments(
         plan, q, k, k, torch.randn_like(q), (stats, stats), torch.empty_like(k), torch.empty_like(k),
         plan.placeholder, 256)
+    wide = dim in backward_gluon.WIDE_PARTS
+    assert kernel is (backward_gluon.BACKWARD_GLUON_WIDE if wide else backward_gluon.BACKWARD_GLUON)
+    assert grid == (2 * 2 * 256 // backward_gluon.KEY_TILE[dim],)
     first, second = parts
     block_m = backward_gluon.BLOCK_M[dim]
     boxes = [list(d.block_shape) for d in tensors[:10]]

@@ -519,7 +519,7 @@ def test_a_first_backward_at_head_dim_128_runs_the_halves_while_the_fused_kernel
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("dim", [64, 96, 128, 192], ids=["d64", "d96", "d128", "d192"])
 def test_a_first_backward_runs_the_triton_halves_while_the_gluon_backward_compiles(dim, monkeypatch):
     """A new score function on causal rows the Gluon backward takes: the first backward runs the Triton
     backward's halves (head dim 64: the split kernel's configs; 128: ``backward.GLUON_STAND_IN``'s small tiles),

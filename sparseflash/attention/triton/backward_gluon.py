@@ -4,8 +4,9 @@ by TMA reduce-add (docs/kernels.md, "The Gluon backward").
 A program holds one 128-key tile of one (batch, key/value head): every key tile of a head next to each other
 (programs that stream the same queries run together, and share them in L2), within a head the longest
 CAUSAL columns first.
-It walks the query tiles (``BLOCK_M``: 64 rows at head dims 80-128, 128 at 48 and 64; FlashAttention-4's sizes at
-64 and 128) that see its keys, for each query head of its GQA group in turn. Two consumer warpgroups and a producer:
+It walks the query tiles (``BLOCK_M``: 64 rows at head dims 80-192, 128 at 48 and 64; FlashAttention-4's sizes at
+64 and 128) that see its keys, for each query head of its GQA group in turn. Two consumer warpgroups and a producer
+(head dims 160 and 192: a tile of 64 keys, the warpgroups splitting its columns, below):
   producer   (one warp, a warpgroup for SPARSE; 24 registers a thread) loads K and V once (two 64-row
              halves each), then Q_i, dO_i, lse2_i and delta_i of each query tile by TMA into a ring of
              STAGES buffers (``q_ready`` / ``q_empty`` mbarriers, two arrivals on ``q_empty``, one per
@@ -30,6 +31,17 @@ Keeping dK and dV (64 + 64 fp32 registers a thread at head dim 128) and the scor
 issue the next tile's products before the current dQ is stored (they spill, and ptxas then serialises every
 wgmma).
 
+Head dims 160 and 192 (``WIDE_PARTS``, ``_attn_bwd_gluon_wide``): dK and dV of 64 keys x 160-192 columns take
+160-192 registers a thread, more than a warpgroup has beside its tiles, so the warpgroups split the columns instead
+of the keys, as FlashAttention-3's widest backward does. A program holds 64 keys and the head dim in two parts of
+columns (160 = 128 + 32, 192 = 128 + 64), warpgroup w owning part w's columns of dK, dV and dQ. Per query tile
+(64 rows), warpgroup w computes S^T and dP^T of its 32 queries over the whole head dim (two wgmmas each), P^T and
+dS^T, and stores them as rows of P and dS (queries x keys) to shared memory; after named barrier 10 it issues dQ's
+first chunk of its columns (dS K_w), dV_w += P^T dO_w and dK_w += dS^T Q_w, all from shared memory, stores and
+adds the dQ chunk under them, then the other chunk (dQ in chunks of at most 64 columns: beside dK and dV, 128 at
+128 columns, a whole dQ spilled). The work is even at 256 = 128 + 128, which this kernel does not take: two Q/dO
+buffers exceed shared memory there and with one ptxas spilled 376 bytes (docs/kernels.md).
+
 Constexpr flags:
   MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): query tiles 0.., those from the key tile's
                  first key on, or those of the blocks listed in the column tables (FULL_*, then PART_*).
@@ -39,8 +51,9 @@ Constexpr flags:
                  row terms are off lse2 before the kernel starts (``_lse2_less_rows``).
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
   HEAD_DIM, HEAD_DIM2  the head dim, 64 or 128 (HEAD_DIM2 = 0), or its two parts (``plan.head_dim_parts``: 96 =
-                 64 + 32), each read by TMA boxes of its own width and multiplied apart as in forward_gluon.py
-                 (S^T = K Q^T + K2 Q2^T, dV and dV2, dK and dK2 a part each): no column padded.
+                 64 + 32; ``WIDE_PARTS`` at 160 and 192), each read by TMA boxes of its own width and multiplied
+                 apart as in forward_gluon.py (S^T = K Q^T + K2 Q2^T, dV and dV2, dK and dK2 a part each): no
+                 column padded.
   STAGES         Q/dO buffers.
 
 Scores in base 2 as in backward.py: p = exp2(s * qk_scale - lse2) with lse2 = lse * log2(e) from the
@@ -49,7 +62,8 @@ query tile's first query - lse2), lse2 less the function's row terms (``_lse2_le
 by its derivative; dK = scale * sum dS^T Q, dQ = scale * sum dS K.
 
 Applies (``applies``) on Hopper with Triton >= 3.6 where ``gluon_tools.takes`` the inputs (query tiles of
-``BLOCK_M``, key tiles of 128), no captured tensor takes a gradient, and the layouts TMA can read;
+``BLOCK_M``, key tiles of ``KEY_TILE``: 128, 64 at 160 and 192), no captured tensor takes a gradient, and the
+layouts TMA can read;
 ``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS`` keys (by head dim) or more on average, "1" wherever it applies,
 "0" never.
 """
@@ -79,18 +93,22 @@ from sparseflash.attention.triton.tiles import key_steps, modded_scores, row_ter
 # query rows of a streamed tile, by head dim (FlashAttention-4's at 64 and 128; head dims in two parts,
 # plan.head_dim_parts, as the power of two above them: at 80 and 96 a consumer's dK and dV (80-96 registers a
 # thread) leave room for scores of 64 queries, not 128)
-BLOCK_M = {48: 128, 64: 128, 80: 64, 96: 64, 128: 64}
+BLOCK_M = {48: 128, 64: 128, 80: 64, 96: 64, 128: 64, 160: 64, 192: 64}
 DQ_ROWS = 64  # query rows of a dQ tile a consumer warpgroup adds
-BLOCK_N = 128  # keys a program holds, 64 a consumer warpgroup
-TILES = {dim: (rows, BLOCK_N) for dim, rows in BLOCK_M.items()}  # (query, key) tiles by head dim
+# head dims whose dK and dV a warpgroup holds a part of the columns of (_attn_bwd_gluon_wide): the parts, one a
+# warpgroup, and 64 keys a program
+WIDE_PARTS = {160: (128, 32), 192: (128, 64)}
+KEY_TILE = {dim: 64 if dim in WIDE_PARTS else 128 for dim in BLOCK_M}  # keys a program holds
+TILES = {dim: (rows, KEY_TILE[dim]) for dim, rows in BLOCK_M.items()}  # (query, key) tiles by head dim
 # Q/dO buffers: with the dS^T and dQ staging buffers they fill shared memory at 64 and 128 (198-199 KB); at 80 and
 # 96 (137-157 KB) three ran 0.90-1.05x as long as two on an H100, no better on the whole
-STAGES = 2
+STAGES = {48: 2, 64: 2, 80: 2, 96: 2, 128: 2, 160: 2, 192: 2}
 # "auto" takes it from this mean number of keys a query row walks, by head dim. On an H100 it ran 1.04-1.28x the
 # Triton backward at or above it at head dims 64 and 128, 0.84-1.04x below (docs/results/h100_gluon_backward);
 # head dims in two parts (fwd+bwd, docs/results/h100_gluon_backward_head_dim_parts): 1.02-1.34x from 576 keys
-# (CAUSAL S=1024) at 80 and 96 and from 512 at 48, 0.82-1.01x at 320-512 keys below them, 0.59-0.95x at 256 keys
-AUTO_ROW_KEYS = {48: 512, 64: 1024, 80: 576, 96: 576, 128: 1024}
+# (CAUSAL S=1024) at 80 and 96 and from 512 at 48, 0.82-1.01x at 320-512 keys below them, 0.59-0.95x at 256 keys;
+# at 160 and 192 (_attn_bwd_gluon_wide) 1.04-1.10x from 2,112 keys (CAUSAL S=4096), not measured below
+AUTO_ROW_KEYS = {48: 512, 64: 1024, 80: 576, 96: 576, 128: 1024, 160: 2048, 192: 2048}
 # the column tables' strides change with the lengths: new lengths compile nothing new
 TABLE_STRIDE_ARGS = ["stride_num_b", "stride_num_h", "stride_num_n", "stride_idx_b", "stride_idx_h", "stride_idx_n"]
 
@@ -131,6 +149,34 @@ def _column(b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, strid
 
 
 @gluon.jit
+def _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_idx, kv_start, offs_kv, kv_first, keys, qk_scale, soft_scale,
+                   MODS, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
+                   SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(P^T, dS^T's factor) of tile t of a walk from the products S^T (keys offs_kv x queries q_idx, a (1, queries)
+    row): p = exp2(s * soft_scale - lse2), or with SCORE_MOD of its base-2 scores at reference query q_start (lse2 is
+    less their row terms), its derivative the factor (1.0 without); 0 where CAUSAL's diagonal (the program's keys
+    from kv_start, BLOCK_N of them, across the query tile) or the partial blocks' cut (IS_CAUSAL, MASK_MOD) drop it."""
+    d_score = 1.0
+    if SCORE_MOD is not None:
+        s_t, d_score = modded_scores(s_t, b, h, q_idx, offs_kv[:, None], q_start, kv_first, keys, qk_scale, MODS,
+                                     SCORE_MOD, SCORE_KEYS)
+    p_t = gl.exp2(s_t * soft_scale - lse2[None, :])
+    if MASK_KIND == 1:
+        if q_start < kv_start + BLOCK_N:  # the tiles across the diagonal
+            p_t = gl.where(q_idx >= offs_kv[:, None], p_t, 0.0)
+    elif IS_CAUSAL or MASK_MOD is not None:
+        if t >= n_full:  # the partial blocks
+            if MASK_MOD is not None:
+                keep = MASK_MOD(b, h, q_idx, offs_kv[:, None], MODS)
+                if IS_CAUSAL:
+                    keep = keep & (q_idx >= offs_kv[:, None])
+            else:
+                keep = q_idx >= offs_kv[:, None]
+            p_t = gl.where(keep, p_t, 0.0)
+    return p_t, d_score
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc, q_smem,
               do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, kv_ready, q_ready,
               q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
@@ -143,19 +189,19 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
     ring's next buffer once both consumers released the tile it held; with HEAD_DIM2, each of Q, K, V and dO
     with its second part (q2/k2/v2/do2)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    HALF_N: gl.constexpr = BLOCK_N // 2
+    K_ROWS: gl.constexpr = k_desc.block_type.shape[0]  # keys of a K or V box: 64, two boxes a tile of 128
     # bytes of a box of K (V's alike) and of Q (dO's alike) with its second part's (``load_box``)
     K_BYTES: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
     Q_BYTES: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
     _, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
     k_row, k_col = row_view_coords(b, kv_head, kv_start, stride_kb, stride_kh, stride_kn)
     v_row, v_col = row_view_coords(b, kv_head, kv_start, stride_vb, stride_vh, stride_vn)
-    mbarrier.expect(kv_ready, 4 * K_BYTES)
-    for half in gl.static_range(2):
-        load_box(k_desc, k2_desc, k_row + half * HALF_N, k_col, kv_ready, k_smem.slice(half * HALF_N, HALF_N),
-                 k2_smem.slice(half * HALF_N, HALF_N), HEAD_DIM2)
-        load_box(v_desc, v2_desc, v_row + half * HALF_N, v_col, kv_ready, v_smem.slice(half * HALF_N, HALF_N),
-                 v2_smem.slice(half * HALF_N, HALF_N), HEAD_DIM2)
+    mbarrier.expect(kv_ready, 2 * (BLOCK_N // K_ROWS) * K_BYTES)
+    for box in gl.static_range(BLOCK_N // K_ROWS):
+        load_box(k_desc, k2_desc, k_row + box * K_ROWS, k_col, kv_ready, k_smem.slice(box * K_ROWS, K_ROWS),
+                 k2_smem.slice(box * K_ROWS, K_ROWS), HEAD_DIM2)
+        load_box(v_desc, v2_desc, v_row + box * K_ROWS, v_col, kv_ready, v_smem.slice(box * K_ROWS, K_ROWS),
+                 v2_smem.slice(box * K_ROWS, K_ROWS), HEAD_DIM2)
     n = 0  # query tiles loaded so far: the ring's position
     for g in range(groups):
         h = kv_head * groups + g
@@ -271,23 +317,9 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
             s_t = warpgroup_mma_wait(PARTS, deps=(s_t,))
             q_idx = (q_start + cols_q)[None, :]
             lse2 = lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))
-            d_score = 1.0
-            if SCORE_MOD is not None:  # base-2 scores at reference query q_start (lse2 is less their row terms)
-                s_t, d_score = modded_scores(s_t, b, h, q_idx, offs_kv[:, None], q_start, kv_first, keys, qk_scale,
-                                             MODS, SCORE_MOD, SCORE_KEYS)
-            p_t = gl.exp2(s_t * soft_scale - lse2[None, :])
-            if MASK_KIND == 1:
-                if q_start < kv_start + BLOCK_N:  # the tiles across the diagonal
-                    p_t = gl.where(q_idx >= offs_kv[:, None], p_t, 0.0)
-            elif IS_CAUSAL or MASK_MOD is not None:
-                if t >= n_full:  # the partial blocks
-                    if MASK_MOD is not None:
-                        keep = MASK_MOD(b, h, q_idx, offs_kv[:, None], MODS)
-                        if IS_CAUSAL:
-                            keep = keep & (q_idx >= offs_kv[:, None])
-                    else:
-                        keep = q_idx >= offs_kv[:, None]
-                    p_t = gl.where(keep, p_t, 0.0)
+            p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_idx, kv_start, offs_kv, kv_first,
+                                          keys, qk_scale, soft_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD,
+                                          SCORE_KEYS, BLOCK_N)
             p_op = gl.convert_layout(p_t.to(q.dtype), a_layout)
             dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
             ds_t = p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
@@ -432,6 +464,183 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
     ], [4, 4 if MASK_KIND == 2 else 1], [240, 24])
 
 
+@gluon.jit
+def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, p_smem,
+                   ds_smem, dq_smem, kv_ready, q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM,
+                   PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
+                   heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr, MASK_KIND: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
+                   SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+                   SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
+                   STAGES: gl.constexpr):
+    """Head dims 160 and 192 (``_attn_bwd_gluon_wide``): every key of the program's tile, and the columns of part WG
+    (the first HEAD_DIM, or the HEAD_DIM2 after them): S^T and dP^T of query rows [WG * BLOCK_M / 2, ...) over
+    the whole head dim, P and dS to shared memory, then its columns of dV, dK (stored at the end; DK, DV:
+    (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous) and of each tile's dQ (dq_desc: its part's
+    boxes, a chunk each), staged in dq_smem (a buffer a chunk)."""
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    COLUMNS: gl.constexpr = HEAD_DIM if WG == 0 else HEAD_DIM2  # the warpgroup's columns of dK, dV and dQ
+    FIRST_COLUMN: gl.constexpr = WG * HEAD_DIM
+    # dQ in chunks of at most 64 columns, one product and TMA reduce-add each: beside dK and dV (128 registers a
+    # thread at 128 columns) a dQ of 128 columns (64 more) spilled
+    DQ_CHUNKS: gl.constexpr = dq_smem.type.shape[0]
+    CHUNK: gl.constexpr = dq_smem.type.shape[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, COLUMNS, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, CHUNK, 16])
+    if WG == 0:
+        my_q = q_smem
+        my_do = do_smem
+        my_keys = k_smem
+    else:
+        my_q = q2_smem
+        my_do = do2_smem
+        my_keys = k2_smem
+    bk, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
+    offs_kv = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    cols_q = WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([BLOCK_N, HALF_M], gl.float32, s_layout)
+    zero_dq = gl.zeros([BLOCK_M, CHUNK], gl.float32, dq_layout)
+    dk = gl.zeros([BLOCK_N, COLUMNS], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, COLUMNS], gl.float32, acc_layout)
+    sync = heads  # a value the named barrier passes along, which orders it among the products
+    soft_scale = qk_scale
+    if SCORE_MOD is not None:
+        soft_scale = 1.0
+    n = 0  # query tiles consumed so far: the ring's position
+    mbarrier.wait(kv_ready, 0)
+    for g in range(groups):
+        h = kv_head * groups + g
+        first, n_full, n_tiles, full_idx, part_idx = _column(
+            b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
+            SPARSE_BLOCK_N)
+        bh = b * heads + h
+        keys = key_steps(b, h, (offs_kv - kv_start)[:, None], MODS, SCORE_KEYS)  # 0.0 without a linear key term
+        for t in range(n_tiles):
+            q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            stage = n % STAGES
+            mbarrier.wait(q_ready.index(stage), (n // STAGES) & 1)
+            # S^T and dP^T of the warpgroup's half of the queries, over both parts of the head dim
+            s_t = issue_abt(k_smem, k2_smem, q_smem.index(stage).slice(WG * HALF_M, HALF_M),
+                            q2_smem.index(stage).slice(WG * HALF_M, HALF_M), zero_s, HEAD_DIM2)
+            dp_t = issue_abt(v_smem, v2_smem, do_smem.index(stage).slice(WG * HALF_M, HALF_M),
+                             do2_smem.index(stage).slice(WG * HALF_M, HALF_M), zero_s, HEAD_DIM2)
+            s_t = warpgroup_mma_wait(2, deps=(s_t,))
+            q_idx = (q_start + cols_q)[None, :]
+            lse2 = lse_smem.index(stage).slice(WG * HALF_M, HALF_M).load(gl.SliceLayout(0, s_layout))
+            p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_idx, kv_start, offs_kv, kv_start,
+                                          keys, qk_scale, soft_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD,
+                                          SCORE_KEYS, BLOCK_N)
+            dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+            delta = delta_smem.index(stage).slice(WG * HALF_M, HALF_M).load(gl.SliceLayout(0, s_layout))
+            ds_t = (p_t * (dp_t - delta[None, :]) * d_score).to(my_q.dtype)
+            # P and dS (queries x keys) of this tile: the warpgroup's rows; a buffer is rewritten two tiles on, after
+            # the next tile's barrier, which the other warpgroup passes only once its products of this one are done
+            p_tile = p_smem.index(n % 2)
+            ds_tile = ds_smem.index(n % 2)
+            p_tile.slice(WG * HALF_M, HALF_M).permute((1, 0)).store(p_t.to(my_q.dtype))
+            ds_tile.slice(WG * HALF_M, HALF_M).permute((1, 0)).store(ds_t)
+            fence_async_shared()
+            sync = named_sync(10, sync)  # both warpgroups' rows of P and dS are in shared memory
+            dq = warpgroup_mma(ds_tile, my_keys.slice(0, CHUNK, dim=1), zero_dq + (sync * 0).to(gl.float32),
+                               use_acc=False, is_async=True)
+            dv = warpgroup_mma(p_tile.permute((1, 0)), my_do.index(stage), dv, is_async=True)
+            dk = warpgroup_mma(ds_tile.permute((1, 0)), my_q.index(stage), dk, is_async=True)
+            dq = warpgroup_mma_wait(2, deps=(dq,))  # dV's and dK's products run under dQ's first chunk's store
+            dq_row = bh * q_len + q_start
+            tma.store_wait(0)  # the last tile's reduces have read the staging buffers
+            dq_smem.index(0).store(dq)
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [dq_row, FIRST_COLUMN], dq_smem.index(0))
+            for chunk in gl.static_range(1, DQ_CHUNKS):  # (the wait for a chunk's product waits for dV's and dK's)
+                dq = warpgroup_mma(ds_tile, my_keys.slice(chunk * CHUNK, CHUNK, dim=1), zero_dq, use_acc=False,
+                                   is_async=True)
+                dq = warpgroup_mma_wait(0, deps=(dq,))
+                dq_smem.index(chunk).store(dq)
+                fence_async_shared()
+                tma_reduce_add(dq_desc, [dq_row, FIRST_COLUMN + chunk * CHUNK], dq_smem.index(chunk))
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
+            n += 1
+    rows = bk * kv_len + kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    cols = FIRST_COLUMN + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, acc_layout))
+    offs = rows.to(gl.int64)[:, None] * (HEAD_DIM + HEAD_DIM2) + cols[None, :]
+    gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty))
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
+def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, dq_desc, dq2_desc,
+                         lse_desc, delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_qb,
+                         stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                         stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                         stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
+                         MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
+                         SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+                         SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
+                         STAGES: gl.constexpr):
+    """The backward at head dims 160 and 192: one program per (batch, key/value head, 64-key tile), the arguments
+    as ``_attn_bwd_gluon``'s with K and V in boxes of the whole tile, always two parts (``WIDE_PARTS``), and dq_desc,
+    dq2_desc in boxes of at most 64 columns: dK and dV of 64 keys x 160-192 columns do not fit one warpgroup's
+    registers, so warpgroup w holds the columns of part w (``_consumer_wide``), and S^T, dP^T of half the queries
+    each, exchanged through shared memory as P and dS."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM2], q2_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    do2_smem = gl.allocate_shared_memory(do2_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM2], do2_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [BLOCK_N, HEAD_DIM2], k2_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    v2_smem = gl.allocate_shared_memory(v2_desc.dtype, [BLOCK_N, HEAD_DIM2], v2_desc.layout)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], q_desc.dtype)
+    p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], pds_layout)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], pds_layout)
+    # a warpgroup's dQ staging buffers: a chunk of its part's columns each (dq_desc's and dq2_desc's boxes)
+    CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
+    CHUNK2: gl.constexpr = dq2_desc.block_type.shape[1]
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, [HEAD_DIM // CHUNK, BLOCK_M, CHUNK], dq_desc.layout)
+    dq_smem1 = gl.allocate_shared_memory(gl.float32, [HEAD_DIM2 // CHUNK2, BLOCK_M, CHUNK2], dq2_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    gl.warp_specialize([
+        (_consumer_wide, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
+                          p_smem, ds_smem, dq_smem0, kv_ready, q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX,
+                          PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                          stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0, MASK_KIND,
+                          IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
+                          HEAD_DIM, HEAD_DIM2, STAGES)),
+        (_consumer_wide, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
+                          p_smem, ds_smem, dq_smem1, kv_ready, q_ready, q_empty, dq2_desc, DK, DV, FULL_NUM, FULL_IDX,
+                          PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                          stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1, MASK_KIND,
+                          IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
+                          HEAD_DIM, HEAD_DIM2, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc,
+                     q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
+                     kv_ready, q_ready, q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_qb, stride_qh,
+                     stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob,
+                     stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
+                     stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND, BLOCK_N, SPARSE_BLOCK_M,
+                     SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
+    ], [4, 4 if MASK_KIND == 2 else 1], [240, 24])
+
+
 @triton.jit
 def _lse2_less_rows(LSE2, MODS, heads, q_len, kv_len, stats_stride, SCORE_ROW: tl.constexpr, BLOCK: tl.constexpr,
                     TILE: tl.constexpr):
@@ -461,6 +670,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
 
 # ---------------------------------------------------------------------------------- launcher
 BACKWARD_GLUON = Launcher(_attn_bwd_gluon)
+BACKWARD_GLUON_WIDE = Launcher(_attn_bwd_gluon_wide)
 LSE2_LESS_ROWS = Launcher(_lse2_less_rows)
 ROWS_BLOCK = 128  # rows of lse2 a program of _lse2_less_rows takes
 
@@ -485,6 +695,8 @@ def _dq_accumulator(rows: int, parts: tuple[int, int], block_m: int,
     head_dim = first + second
     dq_acc = torch.zeros(rows, head_dim, dtype=torch.float32, device=device)
     widths = (first, second) if second else (first,) * 2 if block_m == 2 * DQ_ROWS else (first // 2,) * 2
+    if head_dim in WIDE_PARTS:  # chunks of at most 64 columns (``_consumer_wide``)
+        widths = tuple(min(width, 64) for width in widths)
     return dq_acc, *(TensorDescriptor(dq_acc, [rows, head_dim], [head_dim, 1], [DQ_ROWS, width],
                                       gluon_tools.shared_layout(DQ_ROWS, width, torch.float32)) for width in widths)
 
@@ -500,12 +712,12 @@ def _stats(x: torch.Tensor, block_m: int) -> TensorDescriptor:
 
 
 @functools.lru_cache(maxsize=None)
-def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], parts: tuple[int, int],
+def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], head_dim: int, parts: tuple[int, int],
                 mods: tuple) -> dict:
     mask_mod, score_mod, score_keys = mods
     return dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, MASK_MOD=mask_mod, SCORE_MOD=score_mod, SCORE_KEYS=score_keys,
                 SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1],
-                HEAD_DIM=parts[0], HEAD_DIM2=parts[1], STAGES=STAGES, num_warps=4)
+                HEAD_DIM=parts[0], HEAD_DIM2=parts[1], STAGES=STAGES[head_dim], num_warps=4)
 
 
 def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods: torch.Tensor, stats_stride: int,
@@ -520,13 +732,13 @@ def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods: torch.Tensor, stats
     prepared = _arguments(plan, q, k, v, do, None if ahead else (lse2, delta), dk, dv, mods, stats_stride)
     if prepared is None:
         return False
-    arguments, dq_acc = prepared
+    kernel, arguments, dq_acc = prepared
     if plan.score_row is not None:
         _rows_off(plan, lse2, mods, stats_stride, BLOCK_M[q.shape[3]], ahead)
     if ahead:
-        BACKWARD_GLUON.compile_ahead(*arguments)
+        kernel.compile_ahead(*arguments)
         return True
-    BACKWARD_GLUON(*arguments)
+    kernel(*arguments)
     torch.mul(dq_acc.view(dq.shape), plan.scale, out=dq)
     return True
 
@@ -544,12 +756,12 @@ def compiling(plan, q, k, v, do, mods: torch.Tensor, stats_stride: int) -> bool:
     would launch nothing."""
     prepared = _arguments(plan, q, k, v, do, None, Standin(k.dtype, k.shape), Standin(v.dtype, v.shape), mods,
                           stats_stride)
-    return prepared is not None and BACKWARD_GLUON.compiling(*prepared[0])
+    return prepared is not None and prepared[0].compiling(*prepared[1])
 
 
 def _arguments(plan, q, k, v, do, stats: tuple | None, dk, dv, mods: torch.Tensor, stats_stride: int):
-    """(the launch's (grid, tensors, scalars, constexprs), dQ's fp32 accumulator), or None where ``launch``
-    launches nothing. ``stats``: (lse2, delta); None for the arguments of a compile ahead (a small accumulator,
+    """(the kernel's Launcher, the launch's (grid, tensors, scalars, constexprs), dQ's fp32 accumulator), or None
+    where ``launch`` launches nothing. ``stats``: (lse2, delta); None for the arguments of a compile ahead (a small accumulator,
     and descriptors that key alike in place of dO's and the statistics')."""
     if torch.are_deterministic_algorithms_enabled():
         return None
@@ -560,16 +772,19 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dk, dv, mods: torch.Tenso
     if rows[3] is None:  # a layout TMA cannot read: read a copy (a fresh one: a misaligned do may be contiguous)
         do = Standin(do.dtype, do.shape) if ahead else do.clone(memory_format=torch.contiguous_format)
         rows = [*rows[:3], row_view_rows(do)]
-    block_m = BLOCK_M[q.shape[3]]
-    parts = plan.head_dim_parts["HEAD_DIM"], plan.head_dim_parts["HEAD_DIM2"]
+    head_dim = q.shape[3]
+    block_m, key_tile, wide = BLOCK_M[head_dim], KEY_TILE[head_dim], head_dim in WIDE_PARTS
+    # the kernel's parts: the plan's (BLOCK_M lists none with a padded part), or a warpgroup's columns each
+    parts = WIDE_PARTS[head_dim] if wide else (plan.head_dim_parts["HEAD_DIM"], plan.head_dim_parts["HEAD_DIM2"])
+    key_rows = key_tile if wide else key_tile // 2  # K and V boxes: 64 keys, two a tile of 128
 
     def boxes(width: int) -> tuple:  # q, k, v and do's descriptors of boxes of a part's columns
         q_desc = row_view(q, rows[0], block_m, width)
         # a descriptor's key is its dtype, box and layout: q's stands for dO's ahead, the accumulator's for the stats'
-        return (q_desc, row_view(k, rows[1], BLOCK_N // 2, width), row_view(v, rows[2], BLOCK_N // 2, width),
+        return (q_desc, row_view(k, rows[1], key_rows, width), row_view(v, rows[2], key_rows, width),
                 q_desc if ahead else row_view(do, rows[3], block_m, width))
 
-    # a box per part of the head dim (BLOCK_M lists none with a padded part), the first part's again without a second
+    # a box per part of the head dim, the first part's again without a second
     first_part = boxes(parts[0])
     descriptors = (*first_part, *(boxes(parts[1]) if parts[1] else first_part))
     dq_acc, *dq_descs = _dq_accumulator(block_m if ahead else plan.batch * plan.heads * plan.q_len, parts,
@@ -577,9 +792,10 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dk, dv, mods: torch.Tenso
     lse_desc, delta_desc = (_stats(dq_acc, block_m), _stats(dq_acc, block_m)) if ahead else (
         _stats(stats[0], block_m), _stats(stats[1], block_m))
     tables, table_strides = plan.tables_of("q")
-    return ((plan.batch * plan.kv_heads * (plan.kv_len // BLOCK_N),),
-            (*descriptors, *dq_descs, lse_desc, delta_desc, dk, dv, *tables, mods),
-            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *table_strides, plan.heads,
-             plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
-            _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, parts,
-                        (plan.mask_mod, plan.score_mod, plan.score_keys))), dq_acc
+    return BACKWARD_GLUON_WIDE if wide else BACKWARD_GLUON, (
+        (plan.batch * plan.kv_heads * (plan.kv_len // key_tile),),
+        (*descriptors, *dq_descs, lse_desc, delta_desc, dk, dv, *tables, mods),
+        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *table_strides, plan.heads,
+         plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
+        _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, head_dim, parts,
+                    (plan.mask_mod, plan.score_mod, plan.score_keys))), dq_acc
