@@ -514,7 +514,7 @@ def test_the_gluon_backward_reads_a_box_per_part_of_the_head_dim(dim, parts, dq_
     kernel, (grid, tensors, scalars, constexprs), dq_acc = backward_gluon._arguments(
         plan, q, k, k, torch.randn_like(q), (stats, stats), torch.empty_like(k), torch.empty_like(k),
         plan.placeholder, 256)
-    wide = dim in backward_gluon.WIDE_PARTS
+    wide = dim in backward_gluon.WIDE
     assert kernel is (backward_gluon.BACKWARD_GLUON_WIDE if wide else backward_gluon.BACKWARD_GLUON)
     assert grid == (2 * 2 * 256 // backward_gluon.KEY_TILE[dim],)
     first, second = parts

@@ -8,9 +8,9 @@ It walks the query tiles (``BLOCK_M``: 64 rows at head dims 80-192, 128 at 48 an
 64 and 128) that see its keys, for each query head of its GQA group in turn. Two consumer warpgroups and a producer
 (head dims 160 and 192: a tile of 64 keys, the warpgroups splitting its columns, below):
   producer   (one warp, a warpgroup for SPARSE; 24 registers a thread) loads K and V once (two 64-row
-             halves each), then Q_i, dO_i, lse2_i and delta_i of each query tile by TMA into a ring of
-             STAGES buffers (``q_ready`` / ``q_empty`` mbarriers, two arrivals on ``q_empty``, one per
-             consumer).
+             halves each; one box at 160 and 192), then Q_i, dO_i, lse2_i and delta_i of each query tile by
+             TMA into a ring of STAGES buffers (``q_ready`` / ``q_empty`` mbarriers, two arrivals on
+             ``q_empty``, one per consumer).
   consumers  two warpgroups, warpgroup w owning keys [64 w, 64 w + 64) of the tile. For each query tile,
              in FlashAttention-4's order:
              S^T = K_w Q^T and dP^T = V_w dO^T (issued together, S^T waited first);
@@ -31,16 +31,17 @@ Keeping dK and dV (64 + 64 fp32 registers a thread at head dim 128) and the scor
 issue the next tile's products before the current dQ is stored (they spill, and ptxas then serialises every
 wgmma).
 
-Head dims 160 and 192 (``WIDE_PARTS``, ``_attn_bwd_gluon_wide``): dK and dV of 64 keys x 160-192 columns take
+Head dims 160 and 192 (``WIDE``, ``_attn_bwd_gluon_wide``): dK and dV of 64 keys x 160-192 columns take
 160-192 registers a thread, more than a warpgroup has beside its tiles, so the warpgroups split the columns instead
 of the keys, as FlashAttention-3's widest backward does. A program holds 64 keys and the head dim in two parts of
 columns (160 = 128 + 32, 192 = 128 + 64), warpgroup w owning part w's columns of dK, dV and dQ. Per query tile
 (64 rows), warpgroup w computes S^T and dP^T of its 32 queries over the whole head dim (two wgmmas each), P^T and
 dS^T, and stores them as rows of P and dS (queries x keys) to shared memory; after named barrier 10 it issues dQ's
 first chunk of its columns (dS K_w), dV_w += P^T dO_w and dK_w += dS^T Q_w, all from shared memory, stores and
-adds the dQ chunk under them, then the other chunk (dQ in chunks of at most 64 columns: beside dK and dV, 128 at
-128 columns, a whole dQ spilled). The work is even at 256 = 128 + 128, which this kernel does not take: two Q/dO
-buffers exceed shared memory there and with one ptxas spilled 376 bytes (docs/kernels.md).
+adds the dQ chunk under them, then (warpgroup 0, of 128 columns) the second chunk (dQ in chunks of at most 64
+columns: beside dK and dV, 128 registers at 128 columns, a whole dQ spilled). The work is even at 256 = 128 + 128,
+which this kernel does not take: two Q/dO buffers exceed shared memory there and with one ptxas spilled 376 bytes
+(docs/kernels.md).
 
 Constexpr flags:
   MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): query tiles 0.., those from the key tile's
@@ -51,9 +52,9 @@ Constexpr flags:
                  row terms are off lse2 before the kernel starts (``_lse2_less_rows``).
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
   HEAD_DIM, HEAD_DIM2  the head dim, 64 or 128 (HEAD_DIM2 = 0), or its two parts (``plan.head_dim_parts``: 96 =
-                 64 + 32; ``WIDE_PARTS`` at 160 and 192), each read by TMA boxes of its own width and multiplied
-                 apart as in forward_gluon.py (S^T = K Q^T + K2 Q2^T, dV and dV2, dK and dK2 a part each): no
-                 column padded.
+                 64 + 32), each read by TMA boxes of its own width and multiplied apart as in forward_gluon.py
+                 (S^T = K Q^T + K2 Q2^T, dV and dV2, dK and dK2 a part each; at 160 and 192 each warpgroup's dV
+                 and dK are one part's): no column padded.
   STAGES         Q/dO buffers.
 
 Scores in base 2 as in backward.py: p = exp2(s * qk_scale - lse2) with lse2 = lse * log2(e) from the
@@ -63,9 +64,8 @@ by its derivative; dK = scale * sum dS^T Q, dQ = scale * sum dS K.
 
 Applies (``applies``) on Hopper with Triton >= 3.6 where ``gluon_tools.takes`` the inputs (query tiles of
 ``BLOCK_M``, key tiles of ``KEY_TILE``: 128, 64 at 160 and 192), no captured tensor takes a gradient, and the
-layouts TMA can read;
-``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS`` keys (by head dim) or more on average, "1" wherever it applies,
-"0" never.
+layouts TMA can read; ``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS`` keys (by head dim) or more on
+average, "1" wherever it applies, "0" never.
 """
 
 from __future__ import annotations
@@ -95,14 +95,15 @@ from sparseflash.attention.triton.tiles import key_steps, modded_scores, row_ter
 # thread) leave room for scores of 64 queries, not 128)
 BLOCK_M = {48: 128, 64: 128, 80: 64, 96: 64, 128: 64, 160: 64, 192: 64}
 DQ_ROWS = 64  # query rows of a dQ tile a consumer warpgroup adds
-# head dims whose dK and dV a warpgroup holds a part of the columns of (_attn_bwd_gluon_wide): the parts, one a
-# warpgroup, and 64 keys a program
-WIDE_PARTS = {160: (128, 32), 192: (128, 64)}
-KEY_TILE = {dim: 64 if dim in WIDE_PARTS else 128 for dim in BLOCK_M}  # keys a program holds
+# head dims whose dK and dV a warpgroup holds the columns of one part of (plan.head_dim_parts: 128 + 32, 128 + 64),
+# 64 keys a program (_attn_bwd_gluon_wide)
+WIDE = (160, 192)
+KEY_TILE = {dim: 64 if dim in WIDE else 128 for dim in BLOCK_M}  # keys a program holds
 TILES = {dim: (rows, KEY_TILE[dim]) for dim, rows in BLOCK_M.items()}  # (query, key) tiles by head dim
-# Q/dO buffers: with the dS^T and dQ staging buffers they fill shared memory at 64 and 128 (198-199 KB); at 80 and
-# 96 (137-157 KB) three ran 0.90-1.05x as long as two on an H100, no better on the whole
-STAGES = {48: 2, 64: 2, 80: 2, 96: 2, 128: 2, 160: 2, 192: 2}
+KV_BOX_ROWS = 64  # keys of a K or V box: one a program at 160 and 192, two of 128
+# Q/dO buffers: with the dS^T and dQ staging buffers they fill shared memory at 64, 128 and 192 (198-231 KB); at 80
+# and 96 (137-157 KB) three ran 0.90-1.05x as long as two on an H100, no better on the whole
+STAGES = 2
 # "auto" takes it from this mean number of keys a query row walks, by head dim. On an H100 it ran 1.04-1.28x the
 # Triton backward at or above it at head dims 64 and 128, 0.84-1.04x below (docs/results/h100_gluon_backward);
 # head dims in two parts (fwd+bwd, docs/results/h100_gluon_backward_head_dim_parts): 1.02-1.34x from 576 keys
@@ -174,6 +175,17 @@ def _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_idx, kv_start, offs_kv
                 keep = q_idx >= offs_kv[:, None]
             p_t = gl.where(keep, p_t, 0.0)
     return p_t, d_score
+
+
+@gluon.jit
+def _store_dk_dv(DK, DV, dk, dv, first_row, first_column, pitch, scale, layout: gl.constexpr):
+    """Store a warpgroup's dK (times ``scale``) and dV (registers of ``layout``, (keys, columns)) at rows
+    first_row.. and columns first_column.. of DK and DV, seen as rows of ``pitch`` elements."""
+    rows = first_row + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = first_column + gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
+    offs = rows.to(gl.int64)[:, None] * pitch + cols[None, :]
+    gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty))
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty))
 
 
 @gluon.jit
@@ -251,13 +263,13 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
     a2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv2_layout, k_width=2)
     # the warpgroup's dQ tiles (``_dq_accumulator``): the first at (DQ_ROW, DQ_COLUMN) of the query tile, of the keys'
     # columns dq_keys; with SECOND_DQ (query tiles of 128 rows, a head dim in two parts) the second part's beside it
-    DQ_ROWS: gl.constexpr = dq_smem.type.shape[0]
+    DQ_TILE_ROWS: gl.constexpr = dq_smem.type.shape[0]
     DQ_COLUMNS: gl.constexpr = dq_smem.type.shape[1]
-    DQ_BY_ROWS: gl.constexpr = BLOCK_M == 2 * DQ_ROWS
+    DQ_BY_ROWS: gl.constexpr = BLOCK_M == 2 * DQ_TILE_ROWS
     OWN_PART: gl.constexpr = not DQ_BY_ROWS and HEAD_DIM2 > 0 and WG == 1  # warpgroup 1 takes the second part
     SECOND_DQ: gl.constexpr = DQ_BY_ROWS and HEAD_DIM2 > 0
     DQ_GROUPS: gl.constexpr = 2 if SECOND_DQ else 1
-    DQ_ROW: gl.constexpr = WG * DQ_ROWS if DQ_BY_ROWS else 0
+    DQ_ROW: gl.constexpr = WG * DQ_TILE_ROWS if DQ_BY_ROWS else 0
     DQ_COLUMN: gl.constexpr = 0 if DQ_BY_ROWS else WG * (HEAD_DIM if HEAD_DIM2 > 0 else DQ_COLUMNS)
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLUMNS, 16])
@@ -278,7 +290,7 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
     offs_kv = kv_first + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     cols_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
-    zero_dq = gl.zeros([DQ_ROWS, DQ_COLUMNS], gl.float32, dq_layout)
+    zero_dq = gl.zeros([DQ_TILE_ROWS, DQ_COLUMNS], gl.float32, dq_layout)
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dk2 = 0.0
@@ -288,7 +300,7 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
         dk2 = gl.zeros([HALF_N, HEAD_DIM2], gl.float32, kv2_layout)
         dv2 = gl.zeros([HALF_N, HEAD_DIM2], gl.float32, kv2_layout)
     if SECOND_DQ:
-        zero_dq2 = gl.zeros([DQ_ROWS, HEAD_DIM2], gl.float32, dq2_layout)
+        zero_dq2 = gl.zeros([DQ_TILE_ROWS, HEAD_DIM2], gl.float32, dq2_layout)
     sync = heads  # a value the named barrier passes along, which orders it among the products
     # the scale of the scores: the products', or 1 where the score function returns base-2 scores
     soft_scale = qk_scale
@@ -331,8 +343,10 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
             if HEAD_DIM2 > 0:
                 p2_op = gl.convert_layout(p_op, a2_layout)
             dv, dv2 = issue_pv(p_op, p2_op, do, do2, dv, dv2, HEAD_DIM2)
-            sync = named_sync(10, sync)  # both halves of dS^T are in shared memory
-            ds_rows = ds_tile.slice(DQ_ROW, DQ_ROWS, dim=1).permute((1, 0))
+            # both halves of dS^T are in shared memory: the dQ product takes the barrier's value, so that it is issued
+            # after it, and the second part's follows it in issue order (wgmmas keep their order)
+            sync = named_sync(10, sync)
+            ds_rows = ds_tile.slice(DQ_ROW, DQ_TILE_ROWS, dim=1).permute((1, 0))
             dq = warpgroup_mma(ds_rows, dq_keys, zero_dq + (sync * 0).to(gl.float32), use_acc=False, is_async=True)
             dq2 = 0.0
             if SECOND_DQ:
@@ -366,17 +380,10 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
                 dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
             mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
             n += 1
-    rows = bk * kv_len + kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    offs = rows.to(gl.int64)[:, None] * (HEAD_DIM + HEAD_DIM2) + cols[None, :]
-    gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty))
-    gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+    first_row = bk * kv_len + kv_start + WG * HALF_N
+    _store_dk_dv(DK, DV, dk, dv, first_row, 0, HEAD_DIM + HEAD_DIM2, scale, kv_layout)
     if HEAD_DIM2 > 0:
-        rows2 = bk * kv_len + kv_start + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv2_layout))
-        cols2 = HEAD_DIM + gl.arange(0, HEAD_DIM2, layout=gl.SliceLayout(0, kv2_layout))
-        offs2 = rows2.to(gl.int64)[:, None] * (HEAD_DIM + HEAD_DIM2) + cols2[None, :]
-        gl.store(DK + offs2, (dk2 * scale).to(DK.dtype.element_ty))
-        gl.store(DV + offs2, dv2.to(DV.dtype.element_ty))
+        _store_dk_dv(DK, DV, dk2, dv2, first_row, HEAD_DIM, HEAD_DIM + HEAD_DIM2, scale, kv2_layout)
     tma.store_wait(0)
 
 
@@ -546,14 +553,17 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
             p_tile.slice(WG * HALF_M, HALF_M).permute((1, 0)).store(p_t.to(my_q.dtype))
             ds_tile.slice(WG * HALF_M, HALF_M).permute((1, 0)).store(ds_t)
             fence_async_shared()
-            sync = named_sync(10, sync)  # both warpgroups' rows of P and dS are in shared memory
+            # both warpgroups' rows of P and dS are in shared memory: dQ's product takes the barrier's value, dV's
+            # and dK's follow it in issue order (wgmmas keep their order)
+            sync = named_sync(10, sync)
             dq = warpgroup_mma(ds_tile, my_keys.slice(0, CHUNK, dim=1), zero_dq + (sync * 0).to(gl.float32),
                                use_acc=False, is_async=True)
             dv = warpgroup_mma(p_tile.permute((1, 0)), my_do.index(stage), dv, is_async=True)
             dk = warpgroup_mma(ds_tile.permute((1, 0)), my_q.index(stage), dk, is_async=True)
             dq = warpgroup_mma_wait(2, deps=(dq,))  # dV's and dK's products run under dQ's first chunk's store
             dq_row = bh * q_len + q_start
-            tma.store_wait(0)  # the last tile's reduces have read the staging buffers
+            # the last tile's reduces (every chunk's: a buffer a chunk) have read the staging buffers
+            tma.store_wait(0)
             dq_smem.index(0).store(dq)
             fence_async_shared()
             tma_reduce_add(dq_desc, [dq_row, FIRST_COLUMN], dq_smem.index(0))
@@ -567,11 +577,7 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
             dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
             mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
             n += 1
-    rows = bk * kv_len + kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    cols = FIRST_COLUMN + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, acc_layout))
-    offs = rows.to(gl.int64)[:, None] * (HEAD_DIM + HEAD_DIM2) + cols[None, :]
-    gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty))
-    gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+    _store_dk_dv(DK, DV, dk, dv, bk * kv_len + kv_start, FIRST_COLUMN, HEAD_DIM + HEAD_DIM2, scale, acc_layout)
     tma.store_wait(0)
 
 
@@ -586,7 +592,7 @@ def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_d
                          SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
                          STAGES: gl.constexpr):
     """The backward at head dims 160 and 192: one program per (batch, key/value head, 64-key tile), the arguments
-    as ``_attn_bwd_gluon``'s with K and V in boxes of the whole tile, always two parts (``WIDE_PARTS``), and dq_desc,
+    as ``_attn_bwd_gluon``'s with K and V in boxes of the whole tile, always two parts (``WIDE``), and dq_desc,
     dq2_desc in boxes of at most 64 columns: dK and dV of 64 keys x 160-192 columns do not fit one warpgroup's
     registers, so warpgroup w holds the columns of part w (``_consumer_wide``), and S^T, dP^T of half the queries
     each, exchanged through shared memory as P and dS."""
@@ -688,14 +694,15 @@ def _dq_accumulator(rows: int, parts: tuple[int, int], block_m: int,
     """dQ's fp32 accumulator (rows, head dim) and the descriptors of the consumers' dQ tiles of DQ_ROWS query
     rows, (dq_desc, dq2_desc): with query tiles of 2 x DQ_ROWS rows (head dims 48 and 64) each warpgroup adds its
     half of the rows, a tile a part of the head dim (``plan.head_dim_parts``: the first's columns, then the
-    second's); with tiles of DQ_ROWS rows every row, warpgroup 0 the first part's columns and 1 the second's, or
-    half the columns each at a power of two (128). Boxes of fp32 rows of 128 bytes a swizzle atom where they are
-    that wide: TMA reduces at ~1.8x the rate of unswizzled boxes (H100)."""
+    second's); with tiles of DQ_ROWS rows every row, warpgroup 0 the first part's columns and 1 the second's (at
+    160 and 192 in chunks of at most 64 columns, a box each), or half the columns each at a power of two (128).
+    Boxes of fp32 rows of 128 bytes a swizzle atom where they are that wide: TMA reduces at ~1.8x the rate of
+    unswizzled boxes (H100)."""
     first, second = parts
     head_dim = first + second
     dq_acc = torch.zeros(rows, head_dim, dtype=torch.float32, device=device)
     widths = (first, second) if second else (first,) * 2 if block_m == 2 * DQ_ROWS else (first // 2,) * 2
-    if head_dim in WIDE_PARTS:  # chunks of at most 64 columns (``_consumer_wide``)
+    if head_dim in WIDE:  # chunks of at most 64 columns (``_consumer_wide``)
         widths = tuple(min(width, 64) for width in widths)
     return dq_acc, *(TensorDescriptor(dq_acc, [rows, head_dim], [head_dim, 1], [DQ_ROWS, width],
                                       gluon_tools.shared_layout(DQ_ROWS, width, torch.float32)) for width in widths)
@@ -712,12 +719,12 @@ def _stats(x: torch.Tensor, block_m: int) -> TensorDescriptor:
 
 
 @functools.lru_cache(maxsize=None)
-def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], head_dim: int, parts: tuple[int, int],
+def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], parts: tuple[int, int],
                 mods: tuple) -> dict:
     mask_mod, score_mod, score_keys = mods
     return dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, MASK_MOD=mask_mod, SCORE_MOD=score_mod, SCORE_KEYS=score_keys,
                 SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1],
-                HEAD_DIM=parts[0], HEAD_DIM2=parts[1], STAGES=STAGES[head_dim], num_warps=4)
+                HEAD_DIM=parts[0], HEAD_DIM2=parts[1], STAGES=STAGES, num_warps=4)
 
 
 def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods: torch.Tensor, stats_stride: int,
@@ -761,8 +768,8 @@ def compiling(plan, q, k, v, do, mods: torch.Tensor, stats_stride: int) -> bool:
 
 def _arguments(plan, q, k, v, do, stats: tuple | None, dk, dv, mods: torch.Tensor, stats_stride: int):
     """(the kernel's Launcher, the launch's (grid, tensors, scalars, constexprs), dQ's fp32 accumulator), or None
-    where ``launch`` launches nothing. ``stats``: (lse2, delta); None for the arguments of a compile ahead (a small accumulator,
-    and descriptors that key alike in place of dO's and the statistics')."""
+    where ``launch`` launches nothing. ``stats``: (lse2, delta); None for the arguments of a compile ahead (a small
+    accumulator, and descriptors that key alike in place of dO's and the statistics')."""
     if torch.are_deterministic_algorithms_enabled():
         return None
     rows = gluon_tools.layout_rows(plan.per_layout.setdefault("gluon_backward", {}), (q, k, v, do))
@@ -772,16 +779,14 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dk, dv, mods: torch.Tenso
     if rows[3] is None:  # a layout TMA cannot read: read a copy (a fresh one: a misaligned do may be contiguous)
         do = Standin(do.dtype, do.shape) if ahead else do.clone(memory_format=torch.contiguous_format)
         rows = [*rows[:3], row_view_rows(do)]
-    head_dim = q.shape[3]
-    block_m, key_tile, wide = BLOCK_M[head_dim], KEY_TILE[head_dim], head_dim in WIDE_PARTS
-    # the kernel's parts: the plan's (BLOCK_M lists none with a padded part), or a warpgroup's columns each
-    parts = WIDE_PARTS[head_dim] if wide else (plan.head_dim_parts["HEAD_DIM"], plan.head_dim_parts["HEAD_DIM2"])
-    key_rows = key_tile if wide else key_tile // 2  # K and V boxes: 64 keys, two a tile of 128
+    block_m, key_tile = BLOCK_M[q.shape[3]], KEY_TILE[q.shape[3]]
+    # the head dim's parts (BLOCK_M lists none with a padded part); at 160 and 192 a warpgroup's columns each
+    parts = plan.head_dim_parts["HEAD_DIM"], plan.head_dim_parts["HEAD_DIM2"]
 
     def boxes(width: int) -> tuple:  # q, k, v and do's descriptors of boxes of a part's columns
         q_desc = row_view(q, rows[0], block_m, width)
         # a descriptor's key is its dtype, box and layout: q's stands for dO's ahead, the accumulator's for the stats'
-        return (q_desc, row_view(k, rows[1], key_rows, width), row_view(v, rows[2], key_rows, width),
+        return (q_desc, row_view(k, rows[1], KV_BOX_ROWS, width), row_view(v, rows[2], KV_BOX_ROWS, width),
                 q_desc if ahead else row_view(do, rows[3], block_m, width))
 
     # a box per part of the head dim, the first part's again without a second
@@ -792,10 +797,10 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dk, dv, mods: torch.Tenso
     lse_desc, delta_desc = (_stats(dq_acc, block_m), _stats(dq_acc, block_m)) if ahead else (
         _stats(stats[0], block_m), _stats(stats[1], block_m))
     tables, table_strides = plan.tables_of("q")
-    return BACKWARD_GLUON_WIDE if wide else BACKWARD_GLUON, (
+    return BACKWARD_GLUON_WIDE if q.shape[3] in WIDE else BACKWARD_GLUON, (
         (plan.batch * plan.kv_heads * (plan.kv_len // key_tile),),
         (*descriptors, *dq_descs, lse_desc, delta_desc, dk, dv, *tables, mods),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *table_strides, plan.heads,
          plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
-        _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, head_dim, parts,
+        _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, parts,
                     (plan.mask_mod, plan.score_mod, plan.score_keys))), dq_acc

@@ -236,12 +236,12 @@ def _producer(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem,
                 mbarrier.wait(v_empty.index(stage), phase, pred=loads >= STAGES)
             mbarrier.expect(k_ready.index(stage), K_BYTES)
             load_box(k_desc, k2_desc, k_row + kv_start, k_col, k_ready.index(stage), k_smem.index(stage),
-                      k2_smem.index(stage), HEAD_DIM2)
+                     k2_smem.index(stage), HEAD_DIM2)
             if K_EARLY:
                 mbarrier.wait(v_empty.index(stage), phase, pred=loads >= STAGES)
             mbarrier.expect(v_ready.index(stage), V_BYTES)
             load_box(v_desc, v2_desc, v_row + kv_start, v_col, v_ready.index(stage), v_smem.index(stage),
-                      v2_smem.index(stage), HEAD_DIM2)
+                     v2_smem.index(stage), HEAD_DIM2)
             loads += 1
         i += 1
 
@@ -375,7 +375,7 @@ def _consumer(q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empt
         last = used + n_loads - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         acc, acc2 = issue_pv(p_op, p2_op, v_smem.index(last % STAGES), v2_smem.index(last % STAGES), acc, acc2,
-                              HEAD_DIM2)
+                             HEAD_DIM2)
         if HEAD_DIM2 > 0:
             acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
         else:
