@@ -40,8 +40,8 @@ dS^T, and stores them as rows of P and dS (queries x keys) to shared memory; aft
 first chunk of its columns (dS K_w), dV_w += P^T dO_w and dK_w += dS^T Q_w, all from shared memory, stores and
 adds the dQ chunk under them, then (warpgroup 0, of 128 columns) the second chunk (dQ in chunks of at most 64
 columns: beside dK and dV, 128 registers at 128 columns, a whole dQ spilled). The work is even at 256 = 128 + 128,
-which this kernel does not take: two Q/dO buffers exceed shared memory there and with one ptxas spilled 376 bytes
-(docs/kernels.md).
+which this kernel does not take: two Q/dO buffers exceed shared memory there, and with one ptxas spilled 376 bytes
+(the loop's shared-memory views hoisted; docs/kernels.md).
 
 Constexpr flags:
   MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): query tiles 0.., those from the key tile's
