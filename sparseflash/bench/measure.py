@@ -25,6 +25,7 @@ from sparseflash.masks import BlockMask
 from sparseflash.timing import interleaved_times
 
 Step = Callable[[], object]
+COMPILE_WAIT_S = 300.0  # how long the rows wait for the kernels sparseflash's first calls compile ahead
 
 
 def make_step(fwd: Callable[[], torch.Tensor], mode: str, do) -> Step:
@@ -188,9 +189,9 @@ def time_steps(steps: list[Step], device: torch.device, timing: Timing,
         warm = [_attempt(lambda s=s: _warm_call(s, device, grads)) for s in steps]
         # the kernels sparseflash's first calls compile ahead, which faster-compiling ones stand in for meanwhile:
         # the steady speed, and a CUDA graph, are theirs
-        if not sparseflash.wait_for_compiles():
-            warnings.warn("sparseflash's kernels still compiling after 300 s: the rows may time the kernels that "
-                          "stand in for them")
+        if not sparseflash.wait_for_compiles(COMPILE_WAIT_S):
+            warnings.warn(f"sparseflash's kernels still compiling after {COMPILE_WAIT_S:.0f} s: the rows may time "
+                          "the kernels that stand in for them")
         if timing.cuda_graph:
             steps = [w if isinstance(w, BaseException) else _attempt(lambda s=s: graphed(s))
                      for s, w in zip(steps, warm)]
