@@ -476,13 +476,18 @@ def test_a_first_forward_runs_the_triton_kernel_while_the_gluon_forward_compiles
 def _backwards_until_taken_over(q, k, v, score_mod, first_check, taken_over, stand_in: str, kernel: str) -> None:
     """Backwards of calls on causal rows with ``score_mod``: the first (``first_check()`` after it: the stand-in ran),
     then until ``taken_over()`` (at most 100 calls, 0.1 s apart), which must come; the first's gradients and the
-    last's against the reference."""
+    last's against the reference. A call without gradients compiles the forward first: the backward's compile ahead
+    starts with the first call that takes gradients, and would otherwise have the forward's compile time to finish
+    in (at head dim 96 it did, and the first backward had nothing to stand in for)."""
     import sparseflash
     from tests.helpers import assert_close
 
     do = torch.randn_like(q)
     o = sparseflash.attention(q.float(), k.float(), v.float(), "causal", score_mod=score_mod, backend="reference")
     expected = torch.autograd.grad(o, (q, k, v), do.float())
+    with torch.no_grad():
+        sparseflash.attention(q, k, v, "causal", score_mod=score_mod)
+    sparseflash.wait_for_compiles()
     grads = []
     for _ in range(100):
         o = sparseflash.attention(q, k, v, "causal", score_mod=score_mod)
@@ -519,12 +524,12 @@ def test_a_first_backward_at_head_dim_128_runs_the_halves_while_the_fused_kernel
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim", [64, 96, 128, 192], ids=["d64", "d96", "d128", "d192"])
+@pytest.mark.parametrize("dim", [64, 96, 128, 192, 256], ids=["d64", "d96", "d128", "d192", "d256"])
 def test_a_first_backward_runs_the_triton_halves_while_the_gluon_backward_compiles(dim, monkeypatch):
     """A new score function on causal rows the Gluon backward takes: the first backward runs the Triton
-    backward's halves (head dim 64: the split kernel's configs; 96-192: ``backward.GLUON_STAND_IN``'s small tiles),
-    compiled ahead beside the Gluon backward; a later one the Gluon backward; every gradient against the
-    reference."""
+    backward's halves (head dims 64 and 256: the split kernel's configs; 96-192: ``backward.GLUON_STAND_IN``'s small
+    tiles), compiled ahead beside the Gluon backward; a later one the Gluon backward; every gradient against the
+    reference. Rows long enough for "auto" to take the Gluon backward at the head dim."""
     from sparseflash.attention.triton import backward, backward_gluon
     from sparseflash.attention.triton.launch import gluon_hopper
 
@@ -548,12 +553,13 @@ def test_a_first_backward_runs_the_triton_halves_while_the_gluon_backward_compil
         programs = {half["PROGRAMS"] for half in halves}
         assert not launched and programs == {1, 2}, (
             f"the first backward launched the Gluon backward ({launched}) or PROGRAMS {programs}, not the halves")
-        if dim != 64:  # the Triton backward is fused there
+        if dim not in (64, 256):  # the Triton backward is fused at 96-192
             small = backward.GLUON_STAND_IN
             assert all((half["BLOCK_M"], half["BLOCK_N"], half["num_warps"]) == (small.block_m, small.block_n,
                                                                                  small.num_warps) for half in halves)
 
-    q, k, v = (torch.randn(2, 4, 2048, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    seq = 2 * backward_gluon.AUTO_ROW_KEYS[dim]  # causal rows of half as many keys on average, and a tile
+    q, k, v = (torch.randn(2, 4, seq + 128, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     _backwards_until_taken_over(q, k, v, score_mod, first_check, lambda: launched == [True], "halves",
                                 "Gluon backward")

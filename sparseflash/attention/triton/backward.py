@@ -524,7 +524,7 @@ FUSED, SPLIT = [("backward", 0)], [("dkdv", 1), ("dq", 2)]
 # and its backward runs them, with the fused kernel's config, until the fused kernel is compiled: where the
 # host has the cores to compile them all at once (``launch.STAND_IN_FROM_CPUS``; docs/kernels.md, "The first
 # call"). Its halves stand in for the Gluon backward alike: with the split kernel's configs where the Triton
-# backward is split (head dims 48 and 64), else (80-192) with GLUON_STAND_IN's small tiles, which compile sooner
+# backward is split (head dims 48, 64 and 256), else (80-192) with GLUON_STAND_IN's small tiles, which compile sooner
 # than the Gluon backward (sm_90a on a CPU at 128, with a score function: dK/dV 1.2 s, dQ 0.9 s, the Gluon
 # backward 2.0 s; the fused kernel's config 2.0 and 1.3 s, no sooner).
 GLUON_STAND_IN = KernelConfig(64, 32, 4, 2)

@@ -4,11 +4,11 @@ by TMA reduce-add (docs/kernels.md, "The Gluon backward").
 A program holds one 128-key tile of one (batch, key/value head): every key tile of a head next to each other
 (programs that stream the same queries run together, and share them in L2), within a head the longest
 CAUSAL columns first.
-It walks the query tiles (``BLOCK_M``: 64 rows at head dims 80-192, 128 at 48 and 64; FlashAttention-4's sizes at
+It walks the query tiles (``BLOCK_M``: 64 rows at head dims 80-256, 128 at 48 and 64; FlashAttention-4's sizes at
 64 and 128) that see its keys, for each query head of its GQA group in turn. Two consumer warpgroups and a producer
-(head dims 160 and 192: a tile of 64 keys, the warpgroups splitting its columns, below):
+(head dims 160-256: a tile of 64 keys, the warpgroups splitting its columns, below):
   producer   (one warp, a warpgroup for SPARSE; 24 registers a thread) loads K and V once (two 64-row
-             halves each; one box at 160 and 192), then Q_i, dO_i, lse2_i and delta_i of each query tile by
+             halves each; one box at 160-256), then Q_i, dO_i, lse2_i and delta_i of each query tile by
              TMA into a ring of STAGES buffers (``q_ready`` / ``q_empty`` mbarriers, two arrivals on
              ``q_empty``, one per consumer).
   consumers  two warpgroups, warpgroup w owning keys [64 w, 64 w + 64) of the tile. For each query tile,
@@ -31,17 +31,18 @@ Keeping dK and dV (64 + 64 fp32 registers a thread at head dim 128) and the scor
 issue the next tile's products before the current dQ is stored (they spill, and ptxas then serialises every
 wgmma).
 
-Head dims 160 and 192 (``WIDE``, ``_attn_bwd_gluon_wide``): dK and dV of 64 keys x 160-192 columns take
-160-192 registers a thread, more than a warpgroup has beside its tiles, so the warpgroups split the columns instead
+Head dims 160, 192 and 256 (``WIDE``, ``_attn_bwd_gluon_wide``): dK and dV of 64 keys x 160-256 columns take
+160-256 registers a thread, more than a warpgroup has beside its tiles, so the warpgroups split the columns instead
 of the keys, as FlashAttention-3's widest backward does. A program holds 64 keys and the head dim in two parts of
-columns (160 = 128 + 32, 192 = 128 + 64), warpgroup w owning part w's columns of dK, dV and dQ. Per query tile
+columns (160 = 128 + 32, 192 = 128 + 64, 256 = 128 + 128), warpgroup w owning part w's columns of dK, dV and dQ.
+Q_i with lse2_i and dO_i with delta_i come in rings of their own (``WIDE_BUFFERS``: at 256 two Q buffers, one dO
+buffer, released as soon as both dV products read it, and one dQ staging buffer a warpgroup fit 230 KB). Per query tile
 (64 rows), warpgroup w computes S^T and dP^T of its 32 queries over the whole head dim (two wgmmas each), P^T and
 dS^T, and stores them as rows of P and dS (queries x keys) to shared memory; after named barrier 10 it issues dQ's
 first chunk of its columns (dS K_w), dV_w += P^T dO_w and dK_w += dS^T Q_w, all from shared memory, stores and
-adds the dQ chunk under them, then (warpgroup 0, of 128 columns) the second chunk (dQ in chunks of at most 64
-columns: beside dK and dV, 128 registers at 128 columns, a whole dQ spilled). The work is even at 256 = 128 + 128,
-which this kernel does not take: two Q/dO buffers exceed shared memory there, and with one ptxas spilled 376 bytes
-(the loop's shared-memory views hoisted; docs/kernels.md).
+adds the dQ chunk under them, then (a warpgroup of 128 columns) the second chunk (dQ in chunks of at most 64
+columns: beside dK and dV, 128 registers at 128 columns, a whole dQ spilled). The work is even at 256 only; at 160
+and 192 warpgroup 0 does 2-4x warpgroup 1's dQ, dV and dK products.
 
 Constexpr flags:
   MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): query tiles 0.., those from the key tile's
@@ -53,9 +54,10 @@ Constexpr flags:
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
   HEAD_DIM, HEAD_DIM2  the head dim, 64 or 128 (HEAD_DIM2 = 0), or its two parts (``plan.head_dim_parts``: 96 =
                  64 + 32), each read by TMA boxes of its own width and multiplied apart as in forward_gluon.py
-                 (S^T = K Q^T + K2 Q2^T, dV and dV2, dK and dK2 a part each; at 160 and 192 each warpgroup's dV
+                 (S^T = K Q^T + K2 Q2^T, dV and dV2, dK and dK2 a part each; at 160-256 each warpgroup's dV
                  and dK are one part's): no column padded.
-  STAGES         Q/dO buffers.
+  STAGES         Q/dO buffers (the wide kernel's Q buffers).
+  DO_STAGES, DQ_BUFFERS  the wide kernel's dO buffers and dQ staging buffers a warpgroup (``WIDE_BUFFERS``).
 
 Scores in base 2 as in backward.py: p = exp2(s * qk_scale - lse2) with lse2 = lse * log2(e) from the
 preprocess (+inf for a row that saw no key: p = 0); with a score function p = exp2(its base-2 score at the
@@ -63,7 +65,7 @@ query tile's first query - lse2), lse2 less the function's row terms (``_lse2_le
 by its derivative; dK = scale * sum dS^T Q, dQ = scale * sum dS K.
 
 Applies (``applies``) on Hopper with Triton >= 3.6 where ``gluon_tools.takes`` the inputs (query tiles of
-``BLOCK_M``, key tiles of ``KEY_TILE``: 128, 64 at 160 and 192), no captured tensor takes a gradient, and the
+``BLOCK_M``, key tiles of ``KEY_TILE``: 128, 64 at 160-256), no captured tensor takes a gradient, and the
 layouts TMA can read; ``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS`` keys (by head dim) or more on
 average, "1" wherever it applies, "0" never.
 """
@@ -84,8 +86,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.forward_persistent import row_view_rows
-from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, named_sync, row_view,
-                                                      row_view_coords, tma_load, tma_reduce_add, walk_tile_start)
+from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, named_sync, ring_index,
+                                                      row_view, row_view_coords, tma_load, tma_reduce_add,
+                                                      walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import key_steps, modded_scores, row_term
@@ -93,14 +96,18 @@ from sparseflash.attention.triton.tiles import key_steps, modded_scores, row_ter
 # query rows of a streamed tile, by head dim (FlashAttention-4's at 64 and 128; head dims in two parts,
 # plan.head_dim_parts, as the power of two above them: at 80 and 96 a consumer's dK and dV (80-96 registers a
 # thread) leave room for scores of 64 queries, not 128)
-BLOCK_M = {48: 128, 64: 128, 80: 64, 96: 64, 128: 64, 160: 64, 192: 64}
+BLOCK_M = {48: 128, 64: 128, 80: 64, 96: 64, 128: 64, 160: 64, 192: 64, 256: 64}
 DQ_ROWS = 64  # query rows of a dQ tile a consumer warpgroup adds
-# head dims whose dK and dV a warpgroup holds the columns of one part of (plan.head_dim_parts: 128 + 32, 128 + 64),
-# 64 keys a program (_attn_bwd_gluon_wide)
-WIDE = (160, 192)
+# head dims whose dK and dV a warpgroup holds the columns of one part of (the first 128, and the rest: 160 = 128 + 32,
+# 192 = 128 + 64, 256 = 128 + 128), 64 keys a program (_attn_bwd_gluon_wide), and their (dO buffers, dQ staging
+# buffers a warpgroup): dO has a ring of its own there, released once dV's product read it. At 256 two of each
+# would take 288 KB of shared memory; one of each leaves room for two Q buffers (230 KB). With one Q/dO buffer at
+# 192, fwd+bwd ran 1.27-1.38x as long as with two on an H100
+WIDE_BUFFERS = {160: (2, 2), 192: (2, 2), 256: (1, 1)}
+WIDE = tuple(WIDE_BUFFERS)
 KEY_TILE = {dim: 64 if dim in WIDE else 128 for dim in BLOCK_M}  # keys a program holds
 TILES = {dim: (rows, KEY_TILE[dim]) for dim, rows in BLOCK_M.items()}  # (query, key) tiles by head dim
-KV_BOX_ROWS = 64  # keys of a K or V box: one a program at 160 and 192, two of 128
+KV_BOX_ROWS = 64  # keys of a K or V box: one a program at 160-256, two of 128
 # Q/dO buffers: with the dS^T and dQ staging buffers they fill shared memory at 64, 128 and 192 (198-231 KB); at 80
 # and 96 (137-157 KB) three ran 0.90-1.05x as long as two on an H100, no better on the whole
 STAGES = 2
@@ -108,8 +115,9 @@ STAGES = 2
 # Triton backward at or above it at head dims 64 and 128, 0.84-1.04x below (docs/results/h100_gluon_backward);
 # head dims in two parts (fwd+bwd, docs/results/h100_gluon_backward_head_dim_parts): 1.02-1.34x from 576 keys
 # (CAUSAL S=1024) at 80 and 96 and from 512 at 48, 0.82-1.01x at 320-512 keys below them, 0.59-0.95x at 256 keys;
-# at 160 and 192 (_attn_bwd_gluon_wide) 1.04-1.10x from 2,112 keys (CAUSAL S=4096), not measured below
-AUTO_ROW_KEYS = {48: 512, 64: 1024, 80: 576, 96: 576, 128: 1024, 160: 2048, 192: 2048}
+# at 160 and 192 (_attn_bwd_gluon_wide) 1.00-1.11x from 1,088 keys (CAUSAL S=2048), 0.95x at 1,024 (DENSE S=1024);
+# at 256 1.04-1.24x from 576 keys (CAUSAL S=1024), not measured below
+AUTO_ROW_KEYS = {48: 512, 64: 1024, 80: 576, 96: 576, 128: 1024, 160: 1088, 192: 1088, 256: 576}
 # the column tables' strides change with the lengths: new lengths compile nothing new
 TABLE_STRIDE_ARGS = ["stride_num_b", "stride_num_h", "stride_num_n", "stride_idx_b", "stride_idx_h", "stride_idx_n"]
 
@@ -191,20 +199,23 @@ def _store_dk_dv(DK, DV, dk, dv, first_row, first_column, pitch, scale, layout: 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc, q_smem,
               do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, kv_ready, q_ready,
-              q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+              q_empty, do_ready, do_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
               stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
               stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride,
               MASK_KIND: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
+              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr,
+              DO_STAGES: gl.constexpr):
     """K and V of the program's key tile, then Q, dO, lse2 and delta of each query tile of its walk into the
     ring's next buffer once both consumers released the tile it held; with HEAD_DIM2, each of Q, K, V and dO
-    with its second part (q2/k2/v2/do2)."""
+    with its second part (q2/k2/v2/do2). DO_STAGES 0: dO and delta ride in Q's ring (its barriers; do_ready and
+    do_empty unused); else they have a ring of their own, of DO_STAGES buffers, behind do_ready / do_empty."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     K_ROWS: gl.constexpr = k_desc.block_type.shape[0]  # keys of a K or V box: 64, two boxes a tile of 128
     # bytes of a box of K (V's alike) and of Q (dO's alike) with its second part's (``load_box``)
     K_BYTES: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
     Q_BYTES: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
+    ROW_BYTES: gl.constexpr = Q_BYTES + lse_desc.block_type.nbytes  # a tile's Q and lse2 (dO and delta alike)
     _, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
     k_row, k_col = row_view_coords(b, kv_head, kv_start, stride_kb, stride_kh, stride_kn)
     v_row, v_col = row_view_coords(b, kv_head, kv_start, stride_vb, stride_vh, stride_vn)
@@ -226,15 +237,28 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
         do_row, do_col = row_view_coords(b, h, 0, stride_dob, stride_doh, stride_dom)
         for t in range(n_tiles):
             q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
-            stage = n % STAGES
+            stage = ring_index(n, STAGES)
             mbarrier.wait(q_empty.index(stage), ((n // STAGES) - 1) & 1, pred=n >= STAGES)
-            mbarrier.expect(q_ready.index(stage), 2 * Q_BYTES + 2 * lse_desc.block_type.nbytes)
-            load_box(q_desc, q2_desc, q_row + q_start, q_col, q_ready.index(stage), q_smem.index(stage),
-                     q2_smem.index(stage), HEAD_DIM2)
-            load_box(do_desc, do2_desc, do_row + q_start, do_col, q_ready.index(stage), do_smem.index(stage),
-                     do2_smem.index(stage), HEAD_DIM2)
-            tma_load(lse_desc, [stats_row + q_start], q_ready.index(stage), lse_smem.index(stage))
-            tma_load(delta_desc, [stats_row + q_start], q_ready.index(stage), delta_smem.index(stage))
+            if DO_STAGES == 0:
+                do_stage = stage
+                do_bar = q_ready.index(stage)
+                mbarrier.expect(do_bar, 2 * ROW_BYTES)
+                load_box(q_desc, q2_desc, q_row + q_start, q_col, do_bar, q_smem.index(stage), q2_smem.index(stage),
+                         HEAD_DIM2)
+            else:  # Q and lse2 first: the tile's S^T waits for them only, while dO waits for its buffer
+                do_stage = ring_index(n, DO_STAGES)
+                do_bar = do_ready.index(do_stage)
+                mbarrier.expect(q_ready.index(stage), ROW_BYTES)
+                load_box(q_desc, q2_desc, q_row + q_start, q_col, q_ready.index(stage), q_smem.index(stage),
+                         q2_smem.index(stage), HEAD_DIM2)
+                tma_load(lse_desc, [stats_row + q_start], q_ready.index(stage), lse_smem.index(stage))
+                mbarrier.wait(do_empty.index(do_stage), ((n // DO_STAGES) - 1) & 1, pred=n >= DO_STAGES)
+                mbarrier.expect(do_bar, ROW_BYTES)
+            load_box(do_desc, do2_desc, do_row + q_start, do_col, do_bar, do_smem.index(do_stage),
+                     do2_smem.index(do_stage), HEAD_DIM2)
+            if DO_STAGES == 0:
+                tma_load(lse_desc, [stats_row + q_start], q_ready.index(stage), lse_smem.index(stage))
+            tma_load(delta_desc, [stats_row + q_start], do_bar, delta_smem.index(do_stage))
             n += 1
 
 
@@ -460,11 +484,11 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
                      HEAD_DIM2, STAGES)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc,
                      q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                     kv_ready, q_ready, q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_qb, stride_qh,
-                     stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob,
-                     stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
-                     stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND, BLOCK_N, SPARSE_BLOCK_M,
-                     SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
+                     kv_ready, q_ready, q_empty, q_ready, q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                     stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n,
+                     stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND,
+                     BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, 0)),
     # registers a thread: the consumers' dK, dV and tiles take 240, the producer's loads 24. The producer is one
     # warp for DENSE and CAUSAL, as the forward's (dense rows 1.03x as fast from S=16384 on an H100, the rest
     # within the spread), four for SPARSE, whose rows at head dim 64 ran 0.95-0.96x as fast with one
@@ -473,26 +497,29 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
 
 @gluon.jit
 def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, p_smem,
-                   ds_smem, dq_smem, kv_ready, q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM,
+                   ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, dq_desc, DK, DV, FULL_NUM,
+                   FULL_IDX, PART_NUM,
                    PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
                    heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr, MASK_KIND: gl.constexpr,
                    IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
                    SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
                    SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
-                   STAGES: gl.constexpr):
-    """Head dims 160 and 192 (``_attn_bwd_gluon_wide``): every key of the program's tile, and the columns of part WG
+                   STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
+    """Head dims 160-256 (``_attn_bwd_gluon_wide``): every key of the program's tile, and the columns of part WG
     (the first HEAD_DIM, or the HEAD_DIM2 after them): S^T and dP^T of query rows [WG * BLOCK_M / 2, ...) over
     the whole head dim, P and dS to shared memory, then its columns of dV, dK (stored at the end; DK, DV:
     (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous) and of each tile's dQ (dq_desc: its part's
-    boxes, a chunk each), staged in dq_smem (a buffer a chunk)."""
+    boxes, a chunk each), staged in dq_smem's buffers in turn. Q and lse2 in a ring of STAGES buffers, dO and delta
+    in one of DO_STAGES, released after dV's product."""
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     HALF_M: gl.constexpr = BLOCK_M // 2
     COLUMNS: gl.constexpr = HEAD_DIM if WG == 0 else HEAD_DIM2  # the warpgroup's columns of dK, dV and dQ
     FIRST_COLUMN: gl.constexpr = WG * HEAD_DIM
     # dQ in chunks of at most 64 columns, one product and TMA reduce-add each: beside dK and dV (128 registers a
     # thread at 128 columns) a dQ of 128 columns (64 more) spilled
-    DQ_CHUNKS: gl.constexpr = dq_smem.type.shape[0]
     CHUNK: gl.constexpr = dq_smem.type.shape[2]
+    DQ_CHUNKS: gl.constexpr = COLUMNS // CHUNK
+    DQ_BUFFERS: gl.constexpr = dq_smem.type.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -530,13 +557,15 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
         keys = key_steps(b, h, (offs_kv - kv_start)[:, None], MODS, SCORE_KEYS)  # 0.0 without a linear key term
         for t in range(n_tiles):
             q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
-            stage = n % STAGES
+            stage = ring_index(n, STAGES)
+            do_stage = ring_index(n, DO_STAGES)
             mbarrier.wait(q_ready.index(stage), (n // STAGES) & 1)
             # S^T and dP^T of the warpgroup's half of the queries, over both parts of the head dim
             s_t = issue_abt(k_smem, k2_smem, q_smem.index(stage).slice(WG * HALF_M, HALF_M),
                             q2_smem.index(stage).slice(WG * HALF_M, HALF_M), zero_s, HEAD_DIM2)
-            dp_t = issue_abt(v_smem, v2_smem, do_smem.index(stage).slice(WG * HALF_M, HALF_M),
-                             do2_smem.index(stage).slice(WG * HALF_M, HALF_M), zero_s, HEAD_DIM2)
+            mbarrier.wait(do_ready.index(do_stage), (n // DO_STAGES) & 1)
+            dp_t = issue_abt(v_smem, v2_smem, do_smem.index(do_stage).slice(WG * HALF_M, HALF_M),
+                             do2_smem.index(do_stage).slice(WG * HALF_M, HALF_M), zero_s, HEAD_DIM2)
             s_t = warpgroup_mma_wait(2, deps=(s_t,))
             q_idx = (q_start + cols_q)[None, :]
             lse2 = lse_smem.index(stage).slice(WG * HALF_M, HALF_M).load(gl.SliceLayout(0, s_layout))
@@ -544,7 +573,7 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
                                           keys, qk_scale, soft_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD,
                                           SCORE_KEYS, BLOCK_N)
             dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
-            delta = delta_smem.index(stage).slice(WG * HALF_M, HALF_M).load(gl.SliceLayout(0, s_layout))
+            delta = delta_smem.index(do_stage).slice(WG * HALF_M, HALF_M).load(gl.SliceLayout(0, s_layout))
             ds_t = (p_t * (dp_t - delta[None, :]) * d_score).to(my_q.dtype)
             # P and dS (queries x keys) of this tile: the warpgroup's rows; a buffer is rewritten two tiles on, after
             # the next tile's barrier, which the other warpgroup passes only once its products of this one are done
@@ -558,24 +587,24 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
             sync = named_sync(10, sync)
             dq = warpgroup_mma(ds_tile, my_keys.slice(0, CHUNK, dim=1), zero_dq + (sync * 0).to(gl.float32),
                                use_acc=False, is_async=True)
-            dv = warpgroup_mma(p_tile.permute((1, 0)), my_do.index(stage), dv, is_async=True)
+            dv = warpgroup_mma(p_tile.permute((1, 0)), my_do.index(do_stage), dv, is_async=True)
             dk = warpgroup_mma(ds_tile.permute((1, 0)), my_q.index(stage), dk, is_async=True)
-            dq = warpgroup_mma_wait(2, deps=(dq,))  # dV's and dK's products run under dQ's first chunk's store
+            # dK's product runs under dQ's first chunk's store; with dV's done, the next tile's dO may load
+            dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
+            mbarrier.arrive(do_empty.index(do_stage))
             dq_row = bh * q_len + q_start
-            # the last tile's reduces (every chunk's: a buffer a chunk) have read the staging buffers
-            tma.store_wait(0)
-            dq_smem.index(0).store(dq)
-            fence_async_shared()
-            tma_reduce_add(dq_desc, [dq_row, FIRST_COLUMN], dq_smem.index(0))
-            for chunk in gl.static_range(1, DQ_CHUNKS):  # (the wait for a chunk's product waits for dV's and dK's)
-                dq = warpgroup_mma(ds_tile, my_keys.slice(chunk * CHUNK, CHUNK, dim=1), zero_dq, use_acc=False,
-                                   is_async=True)
-                dq = warpgroup_mma_wait(0, deps=(dq,))
-                dq_smem.index(chunk).store(dq)
+            for chunk in gl.static_range(DQ_CHUNKS):  # (the wait for a later chunk's product waits for dK's)
+                if chunk > 0:
+                    dq = warpgroup_mma(ds_tile, my_keys.slice(chunk * CHUNK, CHUNK, dim=1), zero_dq, use_acc=False,
+                                       is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=(dq,))
+                if chunk % DQ_BUFFERS == 0:  # the reduces from the buffers (the last tile's at chunk 0) have read them
+                    tma.store_wait(0)
+                dq_smem.index(chunk % DQ_BUFFERS).store(dq)
                 fence_async_shared()
-                tma_reduce_add(dq_desc, [dq_row, FIRST_COLUMN + chunk * CHUNK], dq_smem.index(chunk))
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-            mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
+                tma_reduce_add(dq_desc, [dq_row, FIRST_COLUMN + chunk * CHUNK], dq_smem.index(chunk % DQ_BUFFERS))
+            dk = warpgroup_mma_wait(0, deps=(dk,))
+            mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q of the tile
             n += 1
     _store_dk_dv(DK, DV, dk, dv, bk * kv_len + kv_start, FIRST_COLUMN, HEAD_DIM + HEAD_DIM2, scale, acc_layout)
     tma.store_wait(0)
@@ -590,20 +619,21 @@ def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_d
                          MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
                          SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
                          SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
-                         STAGES: gl.constexpr):
-    """The backward at head dims 160 and 192: one program per (batch, key/value head, 64-key tile), the arguments
+                         STAGES: gl.constexpr, DO_STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+    """The backward at head dims 160-256: one program per (batch, key/value head, 64-key tile), the arguments
     as ``_attn_bwd_gluon``'s with K and V in boxes of the whole tile, always two parts (``WIDE``), and dq_desc,
-    dq2_desc in boxes of at most 64 columns: dK and dV of 64 keys x 160-192 columns do not fit one warpgroup's
+    dq2_desc in boxes of at most 64 columns: dK and dV of 64 keys x 160-256 columns do not fit one warpgroup's
     registers, so warpgroup w holds the columns of part w (``_consumer_wide``), and S^T, dP^T of half the queries
-    each, exchanged through shared memory as P and dS."""
+    each, exchanged through shared memory as P and dS. Q and lse2 in a ring of STAGES buffers, dO and delta in one
+    of DO_STAGES; DQ_BUFFERS: a warpgroup's dQ staging buffers at most."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM2], q2_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    do2_smem = gl.allocate_shared_memory(do2_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM2], do2_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [DO_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    do2_smem = gl.allocate_shared_memory(do2_desc.dtype, [DO_STAGES, BLOCK_M, HEAD_DIM2], do2_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [DO_STAGES, BLOCK_M], delta_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [BLOCK_N, HEAD_DIM2], k2_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -611,39 +641,47 @@ def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_d
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], q_desc.dtype)
     p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], pds_layout)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], pds_layout)
-    # a warpgroup's dQ staging buffers: a chunk of its part's columns each (dq_desc's and dq2_desc's boxes)
+    # a warpgroup's dQ staging buffers: a chunk of its part's columns each (dq_desc's and dq2_desc's boxes), at
+    # most DQ_BUFFERS
     CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
     CHUNK2: gl.constexpr = dq2_desc.block_type.shape[1]
-    dq_smem0 = gl.allocate_shared_memory(gl.float32, [HEAD_DIM // CHUNK, BLOCK_M, CHUNK], dq_desc.layout)
-    dq_smem1 = gl.allocate_shared_memory(gl.float32, [HEAD_DIM2 // CHUNK2, BLOCK_M, CHUNK2], dq2_desc.layout)
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, [min(HEAD_DIM // CHUNK, DQ_BUFFERS), BLOCK_M, CHUNK],
+                                         dq_desc.layout)
+    dq_smem1 = gl.allocate_shared_memory(gl.float32, [min(HEAD_DIM2 // CHUNK2, DQ_BUFFERS), BLOCK_M, CHUNK2],
+                                         dq2_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(DO_STAGES):
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(do_empty.index(i), count=2)
 
     gl.warp_specialize([
         (_consumer_wide, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                          p_smem, ds_smem, dq_smem0, kv_ready, q_ready, q_empty, dq_desc, DK, DV, FULL_NUM, FULL_IDX,
-                          PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
-                          stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0, MASK_KIND,
-                          IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-                          HEAD_DIM, HEAD_DIM2, STAGES)),
+                          p_smem, ds_smem, dq_smem0, kv_ready, q_ready, q_empty, do_ready, do_empty, dq_desc, DK, DV,
+                          FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n,
+                          stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0,
+                          MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M,
+                          SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES, DO_STAGES)),
         (_consumer_wide, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                          p_smem, ds_smem, dq_smem1, kv_ready, q_ready, q_empty, dq2_desc, DK, DV, FULL_NUM, FULL_IDX,
-                          PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
-                          stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1, MASK_KIND,
-                          IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-                          HEAD_DIM, HEAD_DIM2, STAGES)),
+                          p_smem, ds_smem, dq_smem1, kv_ready, q_ready, q_empty, do_ready, do_empty, dq2_desc, DK, DV,
+                          FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n,
+                          stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1,
+                          MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M,
+                          SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES, DO_STAGES)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc,
                      q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                     kv_ready, q_ready, q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_qb, stride_qh,
-                     stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob,
-                     stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
-                     stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND, BLOCK_N, SPARSE_BLOCK_M,
-                     SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
+                     kv_ready, q_ready, q_empty, do_ready, do_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                     stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n,
+                     stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND,
+                     BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, DO_STAGES)),
     ], [4, 4 if MASK_KIND == 2 else 1], [240, 24])
 
 
@@ -695,7 +733,7 @@ def _dq_accumulator(rows: int, parts: tuple[int, int], block_m: int,
     rows, (dq_desc, dq2_desc): with query tiles of 2 x DQ_ROWS rows (head dims 48 and 64) each warpgroup adds its
     half of the rows, a tile a part of the head dim (``plan.head_dim_parts``: the first's columns, then the
     second's); with tiles of DQ_ROWS rows every row, warpgroup 0 the first part's columns and 1 the second's (at
-    160 and 192 in chunks of at most 64 columns, a box each), or half the columns each at a power of two (128).
+    160-256 in chunks of at most 64 columns, a box each), or half the columns each at a power of two (128).
     Boxes of fp32 rows of 128 bytes a swizzle atom where they are that wide: TMA reduces at ~1.8x the rate of
     unswizzled boxes (H100)."""
     first, second = parts
@@ -729,7 +767,8 @@ def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], par
     mask_mod, score_mod, score_keys = mods
     return dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, MASK_MOD=mask_mod, SCORE_MOD=score_mod, SCORE_KEYS=score_keys,
                 SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1],
-                HEAD_DIM=parts[0], HEAD_DIM2=parts[1], STAGES=STAGES, num_warps=4)
+                HEAD_DIM=parts[0], HEAD_DIM2=parts[1], STAGES=STAGES, num_warps=4,
+                **dict(zip(("DO_STAGES", "DQ_BUFFERS"), WIDE_BUFFERS.get(sum(parts), ()))))
 
 
 def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods: torch.Tensor, stats_stride: int,
@@ -785,8 +824,9 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dk, dv, mods: torch.Tenso
         do = Standin(do.dtype, do.shape) if ahead else do.clone(memory_format=torch.contiguous_format)
         rows = [*rows[:3], row_view_rows(do)]
     block_m, key_tile = BLOCK_M[q.shape[3]], KEY_TILE[q.shape[3]]
-    # the head dim's parts (BLOCK_M lists none with a padded part); at 160 and 192 a warpgroup's columns each
-    parts = plan.head_dim_parts["HEAD_DIM"], plan.head_dim_parts["HEAD_DIM2"]
+    # the head dim's parts (BLOCK_M lists none with a padded part); in the wide kernel a warpgroup's columns each
+    parts = (128, q.shape[3] - 128) if q.shape[3] in WIDE else (plan.head_dim_parts["HEAD_DIM"],
+                                                                plan.head_dim_parts["HEAD_DIM2"])
 
     def boxes(width: int) -> tuple:  # q, k, v and do's descriptors of boxes of a part's columns
         q_desc = row_view(q, rows[0], block_m, width)

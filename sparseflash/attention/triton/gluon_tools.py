@@ -79,6 +79,18 @@ def issue_pv(p_op, p2_op, v, v2, acc, acc2, HEAD_DIM2: gl.constexpr):
 
 
 @gluon.jit
+def ring_index(n, STAGES: gl.constexpr):
+    """The buffer of a ring of STAGES buffers that item n takes, n % STAGES. With one buffer, 0 through an opaque
+    move: a constant 0 makes every shared-memory view of a loop over the ring invariant, and ptxas hoisted them and
+    held them in registers (the Gluon backward's wide kernel at head dim 256 spilled 376 bytes a thread, 11 local
+    stores with the move)."""
+    if STAGES == 1:
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [n * 0], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        return n % STAGES
+
+
+@gluon.jit
 def listed_walk(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, line, stride_num_b, stride_num_h, stride_num_l,
                 stride_idx_b, stride_idx_h, stride_idx_l, TILES_PER_BLOCK: gl.constexpr):
     """A SPARSE walk along row or column ``line`` of the mask of batch b, head h, from its block tables
