@@ -501,12 +501,14 @@ def test_the_gluon_forward_reads_a_box_per_part_of_the_head_dim(dim, parts):
                                                   (128, (128, 0), ([64, 64], [64, 64])),
                                                   (160, (128, 32), ([64, 64], [64, 32])),
                                                   (192, (128, 64), ([64, 64], [64, 64])),
-                                                  (256, (128, 128), ([64, 64], [64, 64]))], ids=lambda value: str(value))
+                                                  (256, (128, 128), ([64, 64], [64, 64]))],
+                         ids=lambda value: str(value))
 def test_the_gluon_backward_reads_a_box_per_part_of_the_head_dim(dim, parts, dq_boxes):
     """The launch's kernel, descriptors and constexprs: Q, K, V and dO each in boxes of the first part's width, then
     of the second's (the same descriptors again without a second part), BLOCK_M queries and 64 keys; dQ's
-    accumulator in the boxes of the consumers' dQ tiles (a part each, or at 128 half the columns each; at 160 and
-    192, whose warpgroups split the columns, chunks of at most 64); HEAD_DIM and HEAD_DIM2 the parts."""
+    accumulator in the boxes of the consumers' dQ tiles (a part each, or at 128 half the columns each; at 160-256,
+    whose warpgroups split the columns, chunks of at most 64); HEAD_DIM and HEAD_DIM2 the parts; the wide kernel's
+    dO and dQ staging buffers by head dim (one each at 256, where two would not fit shared memory)."""
     q = torch.randn(2, 4, 256, dim, dtype=torch.bfloat16)
     k = torch.randn(2, 2, 256, dim, dtype=torch.bfloat16)
     plan = LaunchPlan(q, k, make("causal", 256), False, dim ** -0.5, None)
@@ -527,3 +529,5 @@ def test_the_gluon_backward_reads_a_box_per_part_of_the_head_dim(dim, parts, dq_
         assert all(a is b for a, b in zip(tensors[:4], tensors[4:8]))
     assert tuple(boxes[8:10]) == dq_boxes and dq_acc.shape == (2 * 4 * 256, dim)
     assert (constexprs["HEAD_DIM"], constexprs["HEAD_DIM2"]) == parts and sum(parts) == dim
+    buffers = (constexprs.get("DO_STAGES"), constexprs.get("DQ_BUFFERS"))
+    assert buffers == ({256: (1, 1)}.get(dim, (2, 2)) if wide else (None, None)), buffers

@@ -36,8 +36,8 @@ Head dims 160, 192 and 256 (``WIDE``, ``_attn_bwd_gluon_wide``): dK and dV of 64
 of the keys, as FlashAttention-3's widest backward does. A program holds 64 keys and the head dim in two parts of
 columns (160 = 128 + 32, 192 = 128 + 64, 256 = 128 + 128), warpgroup w owning part w's columns of dK, dV and dQ.
 Q_i with lse2_i and dO_i with delta_i come in rings of their own (``WIDE_BUFFERS``: at 256 two Q buffers, one dO
-buffer, released as soon as both dV products read it, and one dQ staging buffer a warpgroup fit 230 KB). Per query tile
-(64 rows), warpgroup w computes S^T and dP^T of its 32 queries over the whole head dim (two wgmmas each), P^T and
+buffer, released as soon as both dV products read it, and one dQ staging buffer a warpgroup fit 230 KB). Per query
+tile (64 rows), warpgroup w computes S^T and dP^T of its 32 queries over the whole head dim (two wgmmas each), P^T and
 dS^T, and stores them as rows of P and dS (queries x keys) to shared memory; after named barrier 10 it issues dQ's
 first chunk of its columns (dS K_w), dV_w += P^T dO_w and dK_w += dS^T Q_w, all from shared memory, stores and
 adds the dQ chunk under them, then (a warpgroup of 128 columns) the second chunk (dQ in chunks of at most 64
@@ -86,8 +86,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.forward_persistent import row_view_rows
-from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, named_sync, ring_index,
-                                                      row_view, row_view_coords, tma_load, tma_reduce_add,
+from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, named_sync,
+                                                      ring_index, row_view, row_view_coords, tma_load, tma_reduce_add,
                                                       walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import KIND_CODES
