@@ -398,7 +398,7 @@ def test_gluon_backward_auto_takes_rows_of_many_keys(monkeypatch):
 
 
 def test_the_gluon_kernels_compile_for_hopper_without_a_gpu(tmp_path):
-    """Each case of ``sm90_compile.cases`` (forward at head dims 48-256, backward at 48-192, causal,
+    """Each case of ``sm90_compile.cases`` (forward at head dims 48-256, backward at 48-256, causal,
     ALiBi, soft-capping, a document mask_mod with rows of unequal lengths) compiles through ptxas for sm_90a from the
     arguments its ``launch`` builds, in a child process without the interpreter: what a run without a GPU can
     check of kernels it cannot run (an argument the kernel does not take, a name it does not define, a helper
