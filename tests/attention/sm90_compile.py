@@ -95,7 +95,7 @@ def cases() -> dict:
         "backward-d96-documents": ("backward", 96, documents, None),  # 64 + 32
         "backward-d160-causal": ("backward", 160, causal, None),  # a part's columns a warpgroup: 128 | 32
         "backward-d192-alibi": ("backward", 192, causal, alibi),  # 128 | 64
-        "backward-d256-documents": ("backward", 256, documents, None),  # 128 | 128, one Q/dO buffer
+        "backward-d256-documents": ("backward", 256, documents, None),  # 128 | 128, two Q buffers, one dO buffer
         "backward-d256-causal": ("backward", 256, causal, None),
     }
 
