@@ -239,18 +239,17 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
             q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
             stage = ring_index(n, STAGES)
             mbarrier.wait(q_empty.index(stage), ((n // STAGES) - 1) & 1, pred=n >= STAGES)
-            if DO_STAGES == 0:
+            if DO_STAGES == 0:  # one barrier for the tile's four loads
                 do_stage = stage
                 do_bar = q_ready.index(stage)
                 mbarrier.expect(do_bar, 2 * ROW_BYTES)
-                load_box(q_desc, q2_desc, q_row + q_start, q_col, do_bar, q_smem.index(stage), q2_smem.index(stage),
-                         HEAD_DIM2)
-            else:  # Q and lse2 first: the tile's S^T waits for them only, while dO waits for its buffer
+            else:
                 do_stage = ring_index(n, DO_STAGES)
                 do_bar = do_ready.index(do_stage)
                 mbarrier.expect(q_ready.index(stage), ROW_BYTES)
-                load_box(q_desc, q2_desc, q_row + q_start, q_col, q_ready.index(stage), q_smem.index(stage),
-                         q2_smem.index(stage), HEAD_DIM2)
+            load_box(q_desc, q2_desc, q_row + q_start, q_col, q_ready.index(stage), q_smem.index(stage),
+                     q2_smem.index(stage), HEAD_DIM2)
+            if DO_STAGES > 0:  # Q and lse2 first: the tile's S^T waits for them only, while dO waits for its buffer
                 tma_load(lse_desc, [stats_row + q_start], q_ready.index(stage), lse_smem.index(stage))
                 mbarrier.wait(do_empty.index(do_stage), ((n // DO_STAGES) - 1) & 1, pred=n >= DO_STAGES)
                 mbarrier.expect(do_bar, ROW_BYTES)
@@ -498,10 +497,9 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
 @gluon.jit
 def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, p_smem,
                    ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, dq_desc, DK, DV, FULL_NUM,
-                   FULL_IDX, PART_NUM,
-                   PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
-                   heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr, MASK_KIND: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
+                   FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                   stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr,
+                   MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
                    SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
                    SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
                    STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
