@@ -45,6 +45,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" else "blocked"
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of: auto, {', '.join(BACKENDS)}")
+    if backend == "triton" and device.type != "cuda":
+        from sparseflash.attention.triton.launch import interpreting  # imports triton only when used
+
+        if not interpreting():  # (its launches would hand the GPU the CPU's addresses)
+            raise ValueError(f"backend 'triton' runs on CUDA tensors, or on the CPU under Triton's interpreter "
+                             f"(TRITON_INTERPRET=1, slow); got tensors on {device}")
     return backend
 
 

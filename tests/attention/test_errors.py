@@ -127,6 +127,13 @@ def test_errors_do_not_depend_on_backend(backend):
         _call(mask=from_mask_mod(lambda b, h, q, kv: (q >= kv) | (h == 1), S, block=16), backend=backend)
 
 
+def test_the_triton_backend_on_cpu_tensors_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"backend 'triton' runs on CUDA tensors, or on the CPU under Triton's "
+                                         r"interpreter \(TRITON_INTERPRET=1, slow\); got tensors on cpu"):
+        _call(backend="triton")
+
+
 def test_valid_inputs_pass():
     """The inputs the error cases start from are valid (so each error comes from its one change)."""
     o, lse = _call(mask=make("butterfly", S, block=16), key_lengths=torch.tensor([S, 3]), scale=0.5,

@@ -55,11 +55,26 @@ class RecordingKernel:
 
 
 class RecordingCompiled:
+    """A compiled kernel as ``launch.Compiled`` takes it: its launcher ``run`` (with the stream, the function and
+    metadata, three hook arguments, then the arguments) and Triton's runner ``compiled[grid](*args)``."""
+
+    function, packed_metadata = "function", "metadata"
+
     def __init__(self, log):
         self.log = log
 
+    def _init_handles(self):
+        pass
+
+    def run(self, *args):
+        assert args[3:9] == (STREAM, "function", "metadata", None, None, None)
+        self.log.append(("direct", args[:3], args[9:]))
+
     def __getitem__(self, grid):
-        return lambda *args: self.log.append(("direct", grid, args))
+        return lambda *args: self.log.append(("runner", grid, args))
+
+
+STREAM = 7  # the current stream, as the stand-in driver gives it
 
 
 @pytest.fixture
@@ -71,7 +86,7 @@ def launcher(monkeypatch, tmp_path):
         (stubs / f"{os.getpid()}").write_text(f"{src} {metadata}")
 
     active = SimpleNamespace(get_current_device=lambda: 0, get_current_target=lambda: "target",
-                             launcher_cls=launcher_cls)
+                             get_current_stream=lambda device: STREAM, launcher_cls=launcher_cls)
     monkeypatch.setattr(launch, "driver", SimpleNamespace(active=active, set_active=lambda d: None))
     compiles = tmp_path / "compiles"
     compiles.mkdir()
@@ -96,13 +111,47 @@ def _launch(launcher, x, y, n=64, scale=0.5, **constexprs):
                                               BLOCK=constexprs.get("BLOCK", 32)))
 
 
-def test_second_launch_goes_direct_with_constexprs_in_signature_order(launcher):
+def test_second_launch_goes_direct_with_addresses_and_constexprs_in_signature_order(launcher):
     x, y = torch.randn(64), torch.randn(64)
     _launch(launcher, x, y)
     _launch(launcher, x, y)
     first, second = launcher.kernel.log
     assert first == ("triton", (3, 2), (x, y, 64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=32))
-    assert second == ("direct", (3, 2, 1), (x, y, 64, 0.5, 32, True))
+    # the tensors as their addresses: Triton's launcher takes an int as it is (a tensor costs it a CUDA call)
+    assert second == ("direct", (3, 2, 1), (x.data_ptr(), y.data_ptr(), 64, 0.5, 32, True))
+
+
+def test_with_launch_hooks_set_a_launch_goes_through_tritons_runner(launcher):
+    import triton
+
+    x, y = torch.randn(64), torch.randn(64)
+    _launch(launcher, x, y)
+    hook = lambda metadata: None  # noqa: E731 (as a profiler such as Proton adds one)
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        _launch(launcher, x, y)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    _launch(launcher, x, y)
+    assert launcher.kernel.log[1:] == [("runner", (3, 2, 1), (x, y, 64, 0.5, 32, True)),
+                                       ("direct", (3, 2, 1), (x.data_ptr(), y.data_ptr(), 64, 0.5, 32, True))]
+
+
+def test_a_recorded_block_collects_this_threads_launches(launcher, tmp_path):
+    x, y = torch.randn(64), torch.randn(64)
+    interpreted = launch.Launcher(RecordingKernel(tmp_path))  # not a JITFunction: TRITON_INTERPRET=1
+    elsewhere = []
+    with launch.recorded() as launches:
+        _launch(launcher, x, y)  # compiled: recorded with the kernel it compiled
+        _launch(launcher, x, y, n=32)
+        _launch(interpreted, x, y)
+        thread = threading.Thread(target=lambda: elsewhere.append(_launch(launcher, x, y)))
+        thread.start()
+        thread.join()
+    _launch(launcher, x, y)
+    (first, grid, tensors, scalars), (second, *_), third = launches
+    assert isinstance(first, launch.Compiled) and first is not second and third is None
+    assert grid == (3, 2) and tensors == (x, y) and scalars == (64, 0.5) and len(launches) == 3
 
 
 @pytest.mark.parametrize("change", ["scalar", "float", "misaligned", "dtype", "constexpr"])
@@ -196,7 +245,7 @@ def test_a_bound_launch_runs_the_compiled_kernel_on_new_tensors(launcher):
     bound = launcher.bound((3, 2), (x, y), (64, 0.5), dict(FLAG=True, num_warps=4, BLOCK=32))
     x2, y2 = torch.randn(64), torch.randn(64)
     bound((x2, y2))
-    assert launcher.kernel.log[-1] == ("direct", (3, 2, 1), (x2, y2, 64, 0.5, 32, True))
+    assert launcher.kernel.log[-1] == ("direct", (3, 2, 1), (x2.data_ptr(), y2.data_ptr(), 64, 0.5, 32, True))
 
 
 def test_no_fork_while_another_thread_compiles_through_triton(launcher):

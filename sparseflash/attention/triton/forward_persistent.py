@@ -21,7 +21,6 @@ does.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 
 import torch
@@ -212,7 +211,6 @@ def row_view_rows(x: torch.Tensor) -> int | None:
 
 
 # ---------------------------------------------------------------------------------- launcher
-FORWARD_PERSISTENT = Launcher(_attn_fwd_persistent)
 _SCRATCH: dict[tuple, list[torch.Tensor]] = {}
 
 
@@ -227,6 +225,9 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
         buffers.append(made_outside_graph_pools(lambda: torch.empty(size, dtype=torch.int8, device=device),
                                                 torch.device(device)))
     return buffers[-1]
+
+
+FORWARD_PERSISTENT = Launcher(_attn_fwd_persistent, scratch=_scratch)
 
 
 def _scalars(plan, q, k, v, o) -> tuple | None:
@@ -257,13 +258,5 @@ def launch(plan, cfg, q, k, v, o, lse, mods: torch.Tensor, ahead: bool = False) 
     tables = plan.tables_of("all" if every_tile else "kv")[0][:2]
     arguments = ((min(n_tiles, programs),), (q, k, v, o, lse, *tables, mods), (*scalars, n_tiles, plan.qk_scale),
                  plan.constexprs(cfg, NUM_PROGRAMS=programs, MASK_EVERY_TILE=every_tile))
-    if ahead:
-        FORWARD_PERSISTENT.compile_ahead(*arguments)
-        return True
-
-    def run():  # Triton's allocator set in a copy of the caller's context: one the caller set stays
-        triton.set_allocator(_scratch)
-        FORWARD_PERSISTENT(*arguments)
-
-    contextvars.copy_context().run(run)
+    (FORWARD_PERSISTENT.compile_ahead if ahead else FORWARD_PERSISTENT)(*arguments)
     return True

@@ -3,8 +3,10 @@
 ``kernel[grid](*args, **constexprs)`` binds and specialises every argument on every call, and
 renders its options to a string for the cache key: 40-80 µs of host time for our kernels of 20-60
 arguments on an H100 host's CPU, where a whole forward+backward at S=1024 keeps the GPU busy
-for ~0.6 ms (docs/kernels.md, "Host time"). ``Launcher`` goes through Triton once per
-specialisation, keeps the compiled kernel it returns, and then launches that kernel directly.
+for ~0.6 ms (docs/kernels.md, "Host time and the Launcher"). ``Launcher`` goes through Triton once per
+specialisation, keeps the compiled kernel it returns, and then launches that kernel past Triton's runner
+(``Compiled``), with the tensors' addresses as ints. ``recorded`` collects the launches a thread makes in a
+block, which replay.py launches again on later calls.
 
 A kernel's first launch compiles it (seconds on an H100). ``Launcher.compile_ahead`` compiles what
 a launch will need in a child process forked for it (forked.py), so that the forward and the
@@ -15,16 +17,19 @@ allocated yet are given as ``Standin``s.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import triton
+from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.cache import triton_key
@@ -154,16 +159,35 @@ class Standin:
         return 0
 
 
+# The launches that a thread's ``recorded`` block collects (``replay.py``).
+_recordings = threading.local()
+
+
+@contextlib.contextmanager
+def recorded() -> Iterator[list]:
+    """``with recorded() as launches:`` collects the launches of every ``Launcher`` this thread makes while the
+    block is open, in order: ``(Compiled, grid, tensors, scalars)``, or None for a launch through Triton's
+    interpreter."""
+    outer = getattr(_recordings, "launches", None)
+    _recordings.launches = launches = []
+    try:
+        yield launches
+    finally:
+        _recordings.launches = outer
+
+
 class Launcher:
     """Launches one ``@triton.jit`` kernel whose arguments are its tensors first, then its scalars,
     then its constexprs (keyword arguments, with ``num_warps`` and ``num_stages``). Under the
     interpreter (``TRITON_INTERPRET=1``, where the kernel is not a JITFunction) every launch goes
     through Triton."""
 
-    def __init__(self, kernel):
-        self.kernel = kernel
+    def __init__(self, kernel, scratch: Callable | None = None):
+        """``scratch``: for a kernel that takes global scratch (where it builds TMA descriptors), Triton's allocator of
+        it (``triton.set_allocator``), set for its launches only."""
+        self.kernel, self.scratch = kernel, scratch
         self._direct = isinstance(kernel, JITFunction)
-        self._compiled: dict[tuple, tuple[CompiledKernel, tuple]] = {}
+        self._compiled: dict[tuple, Compiled] = {}
         self._variants: set[tuple] = set()  # the keys of _compiled without their scalars (_variant)
         self._ahead: dict[tuple, forked.Child] = {}  # compiles ahead, by the key of the launch they serve
 
@@ -198,14 +222,22 @@ class Launcher:
     def __call__(self, grid: tuple[int, ...], tensors: tuple[torch.Tensor, ...], scalars: tuple,
                  constexprs: dict) -> None:
         if not self._direct:
-            self.kernel[grid](*tensors, *scalars, **constexprs)
-            return
-        key = self._key(tensors, scalars, constexprs)
-        entry = self._compiled.get(key)
-        if entry is not None:
-            compiled, constexpr_values = entry
-            compiled[(*grid, 1, 1)[:3]](*tensors, *scalars, *constexpr_values)  # it takes a 3-D grid only
-            return
+            with_scratch(self.scratch, lambda: self.kernel[grid](*tensors, *scalars, **constexprs))
+            compiled = None
+        else:
+            key = self._key(tensors, scalars, constexprs)
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                compiled = self._compile(key, grid, tensors, scalars, constexprs)
+            else:
+                compiled(grid, tensors, scalars)
+        launches = getattr(_recordings, "launches", None)
+        if launches is not None:
+            launches.append(None if compiled is None else (compiled, grid, tensors, scalars))
+
+    def _compile(self, key: tuple, grid: tuple[int, ...], tensors: tuple, scalars: tuple,
+                 constexprs: dict) -> Compiled:
+        """Launch through Triton, which compiles the kernel or finds it in its cache, and keep it under ``key``."""
         # Wait for the compile ahead made for this launch, or, where there is none, for every one in
         # flight: a launch whose strides differ from the stand-ins' (a model's gradient out of a
         # rearrange) is often the same Triton specialisation, which Triton then finds in its cache instead
@@ -217,12 +249,13 @@ class Launcher:
         # asked for again starts nothing)
         self._ahead = {k: child for k, child in self._ahead.items() if not child.done() or child.exception() is None}
         with _COMPILING:
-            compiled = self.kernel[grid](*tensors, *scalars, **constexprs)
+            kernel = with_scratch(self.scratch, lambda: self.kernel[grid](*tensors, *scalars, **constexprs))
         names = self.kernel.arg_names[len(tensors) + len(scalars):]
         if len(self._compiled) >= LAUNCH_KEYS_KEPT:  # the oldest goes (a new length each step would grow it
             del self._compiled[next(iter(self._compiled))]  # without end); it costs a launch through Triton
-        self._compiled[key] = compiled, tuple(constexprs[name] for name in names)
+        compiled = self._compiled[key] = Compiled(kernel, tuple(constexprs[name] for name in names), self.scratch)
         self._variants.add(self._variant(key))
+        return compiled
 
     def bound(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict):
         """After a launch with these arguments: ``launch(tensors)``, which launches the same compiled kernel
@@ -230,13 +263,8 @@ class Launcher:
         the dtypes and 16-byte alignment of ``tensors`` (the caller sees to it); None under the interpreter."""
         if not self._direct:
             return None
-        compiled, constexpr_values = self._compiled[self._key(tensors, scalars, constexprs)]
-        run = compiled[(*grid, 1, 1)[:3]]
-
-        def launch(tensors: tuple) -> None:
-            run(*tensors, *scalars, *constexpr_values)
-
-        return launch
+        compiled = self._compiled[self._key(tensors, scalars, constexprs)]
+        return functools.partial(compiled, grid, scalars=scalars)
 
     def compiling(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, constexprs: dict) -> bool:
         """Whether a compile ahead for a launch with these arguments is in flight (a launch now would wait for
@@ -279,6 +307,59 @@ class Launcher:
             child = forked.start(compile_in_child)
         if child is not None:
             self._ahead[key] = child
+
+
+def launch_hooks_set() -> bool:
+    """Whether Triton's launch hooks are set (a profiler such as Proton sets them): launches then go through
+    Triton's runner, which calls them. (Triton 3.6-3.9 keep them in a ``HookChain``, empty by default; older ones
+    as a function or None.)"""
+    return any(getattr(hook, "calls", hook) for hook in (knobs.runtime.launch_enter_hook,
+                                                        knobs.runtime.launch_exit_hook))
+
+
+class Compiled:
+    """A compiled kernel and the values of its constexprs, launched past Triton's runner: the runner builds the
+    launch's metadata and calls the (empty) launch hooks on every launch, and its launcher, given a tensor, asks
+    CUDA for the attributes of its address (``cuPointerGetAttribute``), a driver call per tensor argument; given
+    the address as an int, it takes it as it is (docs/kernels.md, "Host time and the Launcher")."""
+
+    def __init__(self, kernel: CompiledKernel, constexpr_values: tuple, scratch: Callable | None = None):
+        kernel._init_handles()  # (done by the launch that compiled it; loads the module where not)
+        self.kernel, self.constexpr_values, self.scratch = kernel, constexpr_values, scratch
+        self.run, self.function, self.metadata = kernel.run, kernel.function, kernel.packed_metadata
+
+    def __call__(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple) -> None:
+        grid = (*grid, 1, 1)[:3]  # it takes a 3-D grid only
+        if launch_hooks_set():
+            with_scratch(self.scratch, lambda: self.kernel[grid](*tensors, *scalars, *self.constexpr_values))
+            return
+        # (a tensor's address as an int; a TMA descriptor as it is, which Triton's launcher encodes)
+        self.launch(grid, current_stream(), [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors],
+                    scalars)
+
+    def launch(self, grid: tuple[int, int, int], stream: int, addresses: list, scalars: tuple) -> None:
+        """Launch on ``stream`` with the tensor arguments' ``addresses`` (ints, or TMA descriptors) and ``scalars``,
+        calling no launch hooks."""
+        with_scratch(self.scratch, lambda: self.run(*grid, stream, self.function, self.metadata, None, None, None,
+                                                    *addresses, *scalars, *self.constexpr_values))
+
+
+def with_scratch(scratch: Callable | None, launch: Callable[[], object]):
+    """``launch()``, with Triton's allocator of global scratch set to ``scratch`` (where not None) in a copy of the
+    caller's context: an allocator the caller set stays."""
+    if scratch is None:
+        return launch()
+
+    def run():
+        triton.set_allocator(scratch)
+        return launch()
+
+    return contextvars.copy_context().run(run)
+
+
+def current_stream() -> int:
+    """The current CUDA stream of the current device, as Triton's runner launches on it."""
+    return driver.active.get_current_stream(driver.active.get_current_device())
 
 
 class _ChildDriver:

@@ -20,6 +20,7 @@ from sparseflash.attention.dropout import Dropout
 from sparseflash.attention.kept_tensors import made_outside_graph_pools
 from sparseflash.attention.triton import codegen, forward_decode, forward_persistent
 from sparseflash.attention.triton.launch import Standin, gluon_hopper, interpreting
+from sparseflash.attention.triton.replay import Replays
 from sparseflash.attention.triton.tuning import ConfigKey, KernelConfig
 from sparseflash.masks import BlockMask, MaskKind, layout_to_tables
 from sparseflash.masks.functions import Graph
@@ -94,6 +95,9 @@ class LaunchPlan:
             self._tables["all"] = ((*every, *every), (*_strides(every[0], 1), *_strides(every[1], 2)))
         self._constexprs: dict[tuple, dict] = {}
         self.per_layout: dict[str, dict] = {}  # what a kernel keeps per input layout, under its own key
+        self.replays = {"forward": Replays(), "backward": Replays()}  # settled calls, by layout (replay.py)
+        # the tensors the plan holds for every call: what a replay takes as they are
+        self.tensors = (self.placeholder, *(t for tables, _ in self._tables.values() for t in tables))
 
     def _mods(self, mask: BlockMask, score_graph: Graph | None) -> None:
         """The helpers generated from the mask's mask_mod (only where some tile needs it evaluated) and

@@ -272,6 +272,22 @@ def _first_fitting(launch: Callable[[KernelConfig], Optional[KernelConfig]], fai
 # write them.
 _chosen: dict[tuple[str, ConfigKey], KernelConfig] = {}
 _pinned: set[tuple[str, ConfigKey]] = set()
+# Counts the changes of a choice (a tune, a pin, a fallback, ``forget``): a call launched again without the
+# choosing (replay.py) was recorded under one count, and is recorded again after a change.
+_version = 0
+
+
+def _chose(kernel: str, key: ConfigKey, cfg: KernelConfig) -> None:
+    global _version
+    if _chosen.get((kernel, key)) != cfg:
+        _version += 1
+    _chosen[kernel, key] = cfg
+
+
+def choices_version() -> Optional[int]:
+    """The count of changes of this process's choices; None while a ``recording`` block is open (every
+    launch must then go through ``run_tuned``, which records it)."""
+    return None if _recorders else _version
 
 
 def choice(kernel: str, key: ConfigKey) -> Optional[KernelConfig]:
@@ -289,12 +305,14 @@ def choice(kernel: str, key: ConfigKey) -> Optional[KernelConfig]:
 def pin(kernel: str, key: ConfigKey, cfg: KernelConfig) -> None:
     """Launch ``kernel`` with ``cfg`` for ``key`` from now on in this process (no tuning), also where it does not
     fit the GPU (the launch then reports)."""
-    _chosen[kernel, key] = cfg
+    _chose(kernel, key, cfg)
     _pinned.add((kernel, key))
 
 
 def forget() -> None:
     """Drop this process's pinned and tuned choices (the disk cache stays)."""
+    global _version
+    _version += 1
     _chosen.clear()
     _pinned.clear()
 
@@ -487,7 +505,7 @@ def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], Opti
         if (kernel, key) in _pinned:
             raise
         cfg, used = _first_fitting(launch, cfg, error, candidates(kernel, key))
-    _chosen[kernel, key] = cfg
+    _chose(kernel, key, cfg)
     for launched in list(_recorders):
         launched.append(Launched(kernel, key, used, launch))
     return used

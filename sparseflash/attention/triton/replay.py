@@ -1,0 +1,98 @@
+"""Calls launched again without the Python that chose their launches.
+
+A forward or backward call goes through the layers that decide what to launch (the plan's tables and flags, the
+tuned config, the stand-ins of a first call, the Gluon or the Triton kernels) and through ``Launcher``, which looks
+up the compiled kernel: on a GPU host that took ~0.1 ms of a forward's host time and ~0.2 ms of a backward's, more
+than their kernels take at short rows (docs/kernels.md, "Host time"). A call that settled (it compiled, tuned and
+stood in for nothing, and no choice changed meanwhile) is kept as a ``Replay``: its launches, each tensor argument
+named by its slot among the call's tensors (its inputs and the outputs it allocates) or taken as a tensor of the
+plan (its tables, its placeholder), which every call shares. A later call with the same plan and layout key then
+launches the same kernels with the same grids and scalars on its own tensors. A call that launched with any other
+tensor (a copy made on the call, a TMA descriptor) or did more than launch kernels is not kept; the caller sees
+to the second (``keep``'s ``settled``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+from typing import Iterator
+
+import torch
+
+from sparseflash.attention.triton import tuning
+from sparseflash.attention.triton.launch import current_stream, launch_hooks_set, recorded
+
+NOT_REPLAYED = False  # kept for a layout whose calls launch what a replay cannot take (a TMA descriptor, a copy)
+
+
+class Replay:
+    """The launches of one call, to launch again on the tensors of a later call: ``replay(slots)``."""
+
+    def __init__(self, steps: list[tuple], constants: list[torch.Tensor]):
+        self._steps = steps  # (Compiled, 3-D grid, indices into the slots' addresses and the constants', scalars)
+        self._constants = constants  # (kept alive: their addresses are in the steps)
+        self._constant_addresses = [t.data_ptr() for t in constants]
+
+    @classmethod
+    def of(cls, launches: list, slots: tuple[torch.Tensor, ...], constants: tuple[torch.Tensor, ...]):
+        """The replay of ``launches`` (a ``recorded`` block's) on calls that give their tensors as ``slots`` (this
+        call's, in the order later calls will give theirs), ``constants`` the plan's tensors; None where this
+        call cannot be kept but a later one may be (one tensor in two slots, a misaligned slot); NOT_REPLAYED where
+        no call of this layout can be (a launch with another tensor, or through Triton's interpreter)."""
+        if not launches or None in launches:
+            return NOT_REPLAYED
+        index = {id(t): len(slots) + i for i, t in enumerate(constants)}
+        for i, t in enumerate(slots):
+            if id(t) in index and index[id(t)] >= len(slots):
+                continue  # a plan's tensor in a slot (the placeholder of absent key lengths): a constant
+            if id(t) in index or t.data_ptr() % 16:
+                return None  # (q is k on this call, not on all; a kernel specialised on a misaligned tensor)
+            index[id(t)] = i
+        steps = []
+        for compiled, grid, tensors, scalars in launches:
+            if any(id(t) not in index for t in tensors):
+                return NOT_REPLAYED
+            steps.append((compiled, (*grid, 1, 1)[:3], [index[id(t)] for t in tensors], scalars))
+        return cls(steps, list(constants))
+
+    def __call__(self, slots: tuple[torch.Tensor, ...]) -> bool:
+        """Launch the kept launches on ``slots``: True; False (nothing launched) where a slot is not 16-byte
+        aligned, or where Triton's launch hooks are set (a profiler's: a launch through Triton calls them)."""
+        addresses = [t.data_ptr() for t in slots]
+        if functools.reduce(operator.or_, addresses) % 16 or launch_hooks_set():
+            return False
+        addresses += self._constant_addresses
+        stream = current_stream()
+        for compiled, grid, indices, scalars in self._steps:
+            compiled.launch(grid, stream, [addresses[i] for i in indices], scalars)
+        return True
+
+
+class Replays:
+    """A plan's replays of one kind of call (forward or backward), by layout key: ``replays.get(key)`` is the
+    replay to launch, if kept under the current tuning choices; ``with replays.keep(key, slots, constants) as
+    settled:`` records the launches of the block and keeps them where the block sets ``settled[0]``."""
+
+    def __init__(self):
+        self._kept: dict[tuple, tuple[int, Replay | bool]] = {}
+
+    def get(self, key: tuple) -> Replay | None:
+        version, replay = self._kept.get(key, (None, None))
+        current = tuning.choices_version()
+        return replay if replay and current is not None and version == current else None
+
+    @contextlib.contextmanager
+    def keep(self, key: tuple, slots: tuple, constants: tuple) -> Iterator[list[bool]]:
+        version = tuning.choices_version()
+        settled = [False]
+        if version is None or self._kept.get(key) == (version, NOT_REPLAYED):
+            yield settled  # (while a tuning recording is open, or for a layout that cannot be replayed)
+            return
+        with recorded() as launches:
+            yield settled
+        if settled[0] and tuning.choices_version() == version:
+            replay = Replay.of(launches, slots, constants)
+            if replay is not None:
+                self._kept[key] = version, replay

@@ -1,0 +1,144 @@
+"""``Replay``: a settled call's launches launched again on a later call's tensors.
+
+No GPU here for the first tests: ``launch.Compiled`` wraps test_launch.py's recording compiled kernel, whose
+launcher logs what it is given. The GPU test runs calls through ``sparseflash.attention`` again and again on fresh
+inputs of several layouts, each against the reference, and checks that replays ran.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sparseflash.attention.triton import launch, replay, tuning
+from tests.attention.test_launch import STREAM, RecordingCompiled
+from tests.helpers import SeededDropout, check_backend
+
+CONSTEXPRS = (32, True)
+
+
+@pytest.fixture
+def log(monkeypatch):
+    active = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: STREAM)
+    monkeypatch.setattr(launch, "driver", SimpleNamespace(active=active))
+    return []
+
+
+def _recorded(log, *launches):
+    """``recorded`` launches of two kernels: (kernel index, grid, tensors, scalars) each."""
+    kernels = [launch.Compiled(RecordingCompiled(log), CONSTEXPRS) for _ in range(2)]
+    return [(kernels[i], grid, tensors, scalars) for i, grid, tensors, scalars in launches]
+
+
+def _tensors(n):
+    return tuple(torch.randn(64) for _ in range(n))
+
+
+def test_a_replay_launches_the_recorded_kernels_on_a_later_calls_tensors(log):
+    (table,), (a, b, out) = _tensors(1), _tensors(3)
+    kept = replay.Replay.of(_recorded(log, (0, (3, 2), (a, table, out), (64, 0.5)), (1, (5,), (out, b), (1,))),
+                            (a, b, out), (table,))
+    a2, b2, out2 = _tensors(3)
+    assert kept((a2, b2, out2))
+    assert log == [("direct", (3, 2, 1), (a2.data_ptr(), table.data_ptr(), out2.data_ptr(), 64, 0.5, *CONSTEXPRS)),
+                   ("direct", (5, 1, 1), (out2.data_ptr(), b2.data_ptr(), 1, *CONSTEXPRS))]
+
+
+def test_a_replay_launches_nothing_for_a_misaligned_tensor_or_with_launch_hooks_set(log):
+    import triton
+
+    a, out = _tensors(2)
+    kept = replay.Replay.of(_recorded(log, (0, (3,), (a, out), ())), (a, out), ())
+    padded = torch.randn(65)
+    assert not kept((padded[1:], out))
+    hook = lambda metadata: None  # noqa: E731
+    triton.knobs.runtime.launch_exit_hook.add(hook)
+    try:
+        assert not kept((a, out))
+    finally:
+        triton.knobs.runtime.launch_exit_hook.remove(hook)
+    assert log == []
+
+
+def test_a_plans_tensor_given_in_a_slot_stays_a_constant(log):
+    """The placeholder of absent key lengths is a slot of every call of such a plan, and one of its tensors."""
+    (placeholder,), (a, out) = _tensors(1), _tensors(2)
+    kept = replay.Replay.of(_recorded(log, (0, (3,), (a, placeholder, out), ())), (a, placeholder, out),
+                            (placeholder,))
+    a2, out2 = _tensors(2)
+    assert kept((a2, placeholder, out2))
+    assert log == [("direct", (3, 1, 1), (a2.data_ptr(), placeholder.data_ptr(), out2.data_ptr(), *CONSTEXPRS))]
+
+
+@pytest.mark.parametrize("case", ["copy", "interpreter", "nothing", "aliased", "misaligned"])
+def test_what_a_replay_cannot_take(case, log):
+    a, out, copy = _tensors(3)
+    misaligned = torch.randn(65)[1:]
+    slots = {"aliased": (a, a, out), "misaligned": (misaligned, out)}.get(case, (a, out))
+    launches = {"copy": _recorded(log, (0, (3,), (a, copy, out), ())),  # a tensor made on the call
+                "interpreter": [None],
+                "nothing": []}.get(case, _recorded(log, (0, (3,), slots, ())))
+    kept = replay.Replay.of(launches, slots, ())
+    # never for this layout, or not from this call: a later call may pass q and k apart, or aligned
+    assert kept is (None if case in ("aliased", "misaligned") else replay.NOT_REPLAYED)
+
+
+def _keep(replays, key, log, settled=True, during=lambda: None):
+    a, out = _tensors(2)
+    with replays.keep(key, (a, out), ()) as done:
+        launch._recordings.launches.extend(_recorded(log, (0, (3,), (a, out), ())))  # (as a Launcher appends)
+        during()
+        done[0] = settled
+
+
+def test_replays_keep_a_settled_block_until_a_choice_changes(log):
+    replays = replay.Replays()
+    _keep(replays, "unsettled", log, settled=False)
+    _keep(replays, "changed", log, during=lambda: tuning.pin("replay-test", "changed", "cfg"))
+    _keep(replays, "kept", log)
+    assert replays.get("unsettled") is None and replays.get("changed") is None
+    assert isinstance(replays.get("kept"), replay.Replay)
+    tuning.pin("replay-test", "kept", "another cfg")
+    assert replays.get("kept") is None  # recorded again by the next call
+
+
+def test_no_replay_while_a_tuning_recording_is_open(log):
+    replays = replay.Replays()
+    _keep(replays, "kept", log)
+    with tuning.recording():
+        assert replays.get("kept") is None
+        with replays.keep("other", (), ()) as settled:
+            assert getattr(launch._recordings, "launches", None) is None  # nothing recorded
+            settled[0] = True
+    assert replays.get("other") is None and isinstance(replays.get("kept"), replay.Replay)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal-d64-s300", "butterfly-d64-s300-keylen", "dense-d128-s256",
+                                  "causal-d96-s300-dropout"])
+def test_gpu_replayed_calls_match_the_reference(case, monkeypatch):
+    """Calls of one mask and shape, each on fresh inputs, in layouts that change (contiguous, strided, misaligned,
+    with a gradient of lse), each forward and backward against the reference; replays must have run. Short rows:
+    the Triton backward; at d128 dense S=256, the persistent forward (global scratch)."""
+    from sparseflash.masks import make
+
+    pattern, dim, seq = case.split("-")[0], int(case.split("-")[1][1:]), int(case.split("-")[2][1:])
+    batch, heads = 2, 4
+    mask = make(pattern, seq, block=64) if pattern == "butterfly" else pattern
+    ran = []
+    replay_call = replay.Replay.__call__
+    monkeypatch.setattr(replay.Replay, "__call__", lambda self, slots: ran.append(replay_call(self, slots)) or ran[-1])
+    key_lengths = torch.tensor([seq, 123], device="cuda") if "keylen" in case else None
+    for i, layout in enumerate(["contiguous"] * 3 + ["strided", "strided", "misaligned", "contiguous", "lse"]):
+        base = torch.randn(batch, seq, heads, 3 * dim + 8, dtype=torch.bfloat16, device="cuda")
+        offset = 1 if layout == "misaligned" else 0
+        q, k, v = (base[..., offset + j * dim:offset + (j + 1) * dim].transpose(1, 2) for j in range(3))
+        if layout in ("contiguous", "lse"):
+            q, k, v = (x.contiguous() for x in (q, k, v))
+        do = torch.randn(batch, heads, seq, dim, dtype=torch.bfloat16, device="cuda")
+        dlse = torch.randn(batch, heads, seq, device="cuda") if layout == "lse" else None
+        dropout = SeededDropout(0.25, i) if "dropout" in case else None
+        check_backend("triton", q, k, v, mask, do, key_lengths, dlse=dlse, dropout=dropout)
+    assert any(ran), "no call was replayed"
