@@ -93,14 +93,23 @@ def _keep(replays, key, log, settled=True, during=lambda: None):
         done[0] = settled
 
 
-def test_replays_keep_a_settled_block_until_a_choice_changes(log):
+@pytest.fixture
+def choices():
+    """This process's tuning choices, dropped after the test (it pins stand-in keys)."""
+    yield
+    tuning.forget()
+
+
+def test_replays_keep_a_settled_block_until_a_choice_changes(log, choices):
     replays = replay.Replays()
+    tuning.pin("replay-test", "key", "a cfg")
     _keep(replays, "unsettled", log, settled=False)
-    _keep(replays, "changed", log, during=lambda: tuning.pin("replay-test", "changed", "cfg"))
+    _keep(replays, "changed", log, during=lambda: tuning.pin("replay-test", "key", "another cfg"))
     _keep(replays, "kept", log)
     assert replays.get("unsettled") is None and replays.get("changed") is None
+    tuning.pin("replay-test", "a new key", "a cfg")  # a first choice changes no kept call
     assert isinstance(replays.get("kept"), replay.Replay)
-    tuning.pin("replay-test", "kept", "another cfg")
+    tuning.pin("replay-test", "key", "a cfg")
     assert replays.get("kept") is None  # recorded again by the next call
 
 
@@ -117,20 +126,33 @@ def test_no_replay_while_a_tuning_recording_is_open(log):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["causal-d64-s300", "butterfly-d64-s300-keylen", "dense-d128-s256",
-                                  "causal-d96-s300-dropout"])
+                                  "causal-d96-s300-dropout", "causal-d64-s300-alibi", "causal-d64-s300-relbias"])
 def test_gpu_replayed_calls_match_the_reference(case, monkeypatch):
     """Calls of one mask and shape, each on fresh inputs, in layouts that change (contiguous, strided, misaligned,
     with a gradient of lse), each forward and backward against the reference; replays must have run. Short rows:
     the Triton backward; at d128 dense S=256, the persistent forward (global scratch)."""
+    from sparseflash.attention.score_mods import make_score_mod
     from sparseflash.masks import make
 
     pattern, dim, seq = case.split("-")[0], int(case.split("-")[1][1:]), int(case.split("-")[2][1:])
     batch, heads = 2, 4
     mask = make(pattern, seq, block=64) if pattern == "butterfly" else pattern
-    ran = []
+    ran = []  # (slots, replayed) of each replay tried: a forward's 8 slots, a backward's 15
     replay_call = replay.Replay.__call__
-    monkeypatch.setattr(replay.Replay, "__call__", lambda self, slots: ran.append(replay_call(self, slots)) or ran[-1])
+
+    def counted(self, slots):
+        ran.append((len(slots), replay_call(self, slots)))
+        return ran[-1][1]
+
+    monkeypatch.setattr(replay.Replay, "__call__", counted)
     key_lengths = torch.tensor([seq, 123], device="cuda") if "keylen" in case else None
+    # a captured tensor: ALiBi's slopes; a trained one, whose gradient the backward adds (such calls are not kept)
+    score_mod = {"alibi": make_score_mod("alibi", heads),
+                 "relbias": make_score_mod("relative_bias", heads, max_distance=16)}.get(case.split("-")[-1])
+    if score_mod is not None:
+        score_mod = score_mod.to("cuda")
+        for parameter in score_mod.parameters():
+            torch.nn.init.normal_(parameter, std=0.5)
     for i, layout in enumerate(["contiguous"] * 3 + ["strided", "strided", "misaligned", "contiguous", "lse"]):
         base = torch.randn(batch, seq, heads, 3 * dim + 8, dtype=torch.bfloat16, device="cuda")
         offset = 1 if layout == "misaligned" else 0
@@ -140,5 +162,6 @@ def test_gpu_replayed_calls_match_the_reference(case, monkeypatch):
         do = torch.randn(batch, heads, seq, dim, dtype=torch.bfloat16, device="cuda")
         dlse = torch.randn(batch, heads, seq, device="cuda") if layout == "lse" else None
         dropout = SeededDropout(0.25, i) if "dropout" in case else None
-        check_backend("triton", q, k, v, mask, do, key_lengths, dlse=dlse, dropout=dropout)
-    assert any(ran), "no call was replayed"
+        check_backend("triton", q, k, v, mask, do, key_lengths, dlse=dlse, score_mod=score_mod, dropout=dropout)
+    backward_replayed = (15, True) in ran  # (the forward may run the Gluon kernels, which are not replayed)
+    assert backward_replayed != ("relbias" in case), f"replays tried: {ran}"

@@ -455,3 +455,31 @@ def test_the_public_tuned_block_asks_for_tuning(monkeypatch):
     with sparseflash.tuned():
         assert tuning.tuning_requested()
     assert not tuning.tuning_requested()
+
+
+def test_the_choices_version_counts_tunes_and_changes_not_first_choices(tunings, monkeypatch):
+    """What replay.py records a call again after: a tune, a fallback, a changed pin, ``forget``; not a key's first
+    choice (a decoding loop meets a new key at each length), nor the same choice again. None while a recording
+    block is open."""
+    version = tuning.choices_version
+    start = version()
+    tuning.run_tuned("forward", _key(1024), lambda cfg: None)  # tuned (SPARSEFLASH_TUNE=1)
+    assert version() > start
+    monkeypatch.delenv("SPARSEFLASH_TUNE")
+    unchanged = version()
+    tuning.run_tuned("forward", _key(16384), lambda cfg: None)  # a first choice: the first candidate
+    tuning.run_tuned("forward", _key(1024), lambda cfg: None)  # the same choice again
+    first = tuning.candidates("forward", _key(1024))[0]
+    tuning.pin("backward", _key(1024), first)  # a first choice, pinned
+    tuning.pin("backward", _key(1024), first)
+    assert version() == unchanged
+    changes = [lambda: tuning.pin("backward", _key(1024), tuning.candidates("backward", _key(1024))[1]),
+               lambda: tuning.run_tuned("dq", _key(1024, "causal", head_dim=256),
+                                        _fits_only(tuning.candidates("dq", _key(1024, "causal", head_dim=256))[1])[0]),
+               tuning.forget]
+    for change in changes:
+        before = version()
+        change()
+        assert version() > before
+    with tuning.recording():
+        assert version() is None

@@ -272,15 +272,20 @@ def _first_fitting(launch: Callable[[KernelConfig], Optional[KernelConfig]], fai
 # write them.
 _chosen: dict[tuple[str, ConfigKey], KernelConfig] = {}
 _pinned: set[tuple[str, ConfigKey]] = set()
-# Counts the changes of a choice (a tune, a pin, a fallback, ``forget``): a call launched again without the
-# choosing (replay.py) was recorded under one count, and is recorded again after a change.
+# Counts the tunes and the changes of a choice made (a pin, a fallback, ``forget``): a call launched again without
+# the choosing (replay.py) was recorded under one count, and is recorded again after a change. A key's first choice
+# changes no call recorded before it (a decoding loop meets a new key at each length).
 _version = 0
 
 
-def _chose(kernel: str, key: ConfigKey, cfg: KernelConfig) -> None:
+def _changed() -> None:
     global _version
-    if _chosen.get((kernel, key)) != cfg:
-        _version += 1
+    _version += 1
+
+
+def _chose(kernel: str, key: ConfigKey, cfg: KernelConfig) -> None:
+    if _chosen.get((kernel, key), cfg) != cfg:
+        _changed()
     _chosen[kernel, key] = cfg
 
 
@@ -311,8 +316,7 @@ def pin(kernel: str, key: ConfigKey, cfg: KernelConfig) -> None:
 
 def forget() -> None:
     """Drop this process's pinned and tuned choices (the disk cache stays)."""
-    global _version
-    _version += 1
+    _changed()
     _chosen.clear()
     _pinned.clear()
 
@@ -499,12 +503,14 @@ def run_tuned(kernel: str, key: ConfigKey, launch: Callable[[KernelConfig], Opti
     if cfg is None:
         cfg = _tune(launch, candidates(kernel, key))
         _save_choice(f"{kernel}|{key}", cfg)
+        _changed()  # (a call that tuned launched every candidate: not one to replay)
     try:
         used = launch(cfg) or cfg
     except triton.runtime.errors.OutOfResources as error:
         if (kernel, key) in _pinned:
             raise
         cfg, used = _first_fitting(launch, cfg, error, candidates(kernel, key))
+        _changed()
     _chose(kernel, key, cfg)
     for launched in list(_recorders):
         launched.append(Launched(kernel, key, used, launch))
