@@ -46,13 +46,16 @@ def test_a_replay_launches_the_recorded_kernels_on_a_later_calls_tensors(log):
                    ("direct", (5, 1, 1), (out2.data_ptr(), b2.data_ptr(), 1, *CONSTEXPRS))]
 
 
-def test_a_replay_launches_nothing_for_a_misaligned_tensor_or_with_launch_hooks_set(log):
+def test_a_replay_launches_nothing_for_a_misaligned_tensor_on_another_device_or_with_launch_hooks_set(log):
     import triton
 
     a, out = _tensors(2)
     kept = replay.Replay.of(_recorded(log, (0, (3,), (a, out), ())), (a, out), ())
     padded = torch.randn(65)
     assert not kept((padded[1:], out))
+    launch.driver.active.get_current_device = lambda: 1  # another GPU made the current one
+    assert not kept((a, out))
+    launch.driver.active.get_current_device = lambda: 0
     hook = lambda metadata: None  # noqa: E731
     triton.knobs.runtime.launch_exit_hook.add(hook)
     try:

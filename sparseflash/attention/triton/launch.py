@@ -357,9 +357,14 @@ def with_scratch(scratch: Callable | None, launch: Callable[[], object]):
     return contextvars.copy_context().run(run)
 
 
-def current_stream() -> int:
-    """The current CUDA stream of the current device, as Triton's runner launches on it."""
-    return driver.active.get_current_stream(driver.active.get_current_device())
+def current_device() -> int:
+    """The current CUDA device, which Triton's runner launches on."""
+    return driver.active.get_current_device()
+
+
+def current_stream(device: int | None = None) -> int:
+    """The current CUDA stream of ``device`` (default: the current device), as Triton's runner launches on it."""
+    return driver.active.get_current_stream(current_device() if device is None else device)
 
 
 class _ChildDriver:

@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 
 from sparseflash.attention.triton import tuning
-from sparseflash.attention.triton.launch import current_stream, launch_hooks_set, recorded
+from sparseflash.attention.triton.launch import current_device, current_stream, launch_hooks_set, recorded
 
 NOT_REPLAYED = False  # kept for a layout whose calls launch what a replay cannot take (a TMA descriptor, a copy)
 
@@ -34,6 +34,7 @@ class Replay:
         self._steps = steps  # (Compiled, 3-D grid, indices into the slots' addresses and the constants', scalars)
         self._constants = constants  # (kept alive: their addresses are in the steps)
         self._constant_addresses = [t.data_ptr() for t in constants]
+        self._device = current_device()  # the device the kernels were loaded on
 
     @classmethod
     def of(cls, launches: list, slots: tuple[torch.Tensor, ...], constants: tuple[torch.Tensor, ...]):
@@ -59,12 +60,14 @@ class Replay:
 
     def __call__(self, slots: tuple[torch.Tensor, ...]) -> bool:
         """Launch the kept launches on ``slots``: True; False (nothing launched) where a slot is not 16-byte
-        aligned, or where Triton's launch hooks are set (a profiler's: a launch through Triton calls them)."""
+        aligned, another device is the current one, or Triton's launch hooks are set (a profiler's: a launch
+        through Triton calls them)."""
         addresses = [t.data_ptr() for t in slots]
-        if functools.reduce(operator.or_, addresses) % 16 or launch_hooks_set():
+        device = current_device()
+        if functools.reduce(operator.or_, addresses) % 16 or device != self._device or launch_hooks_set():
             return False
         addresses += self._constant_addresses
-        stream = current_stream()
+        stream = current_stream(device)
         for compiled, grid, indices, scalars in self._steps:
             compiled.launch(grid, stream, [addresses[i] for i in indices], scalars)
         return True
