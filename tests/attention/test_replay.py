@@ -165,6 +165,9 @@ def test_gpu_replayed_calls_match_the_reference(case, monkeypatch):
         do = torch.randn(batch, heads, seq, dim, dtype=torch.bfloat16, device="cuda")
         dlse = torch.randn(batch, heads, seq, device="cuda") if layout == "lse" else None
         dropout = SeededDropout(0.25, i) if "dropout" in case else None
-        check_backend("triton", q, k, v, mask, do, key_lengths, dlse=dlse, score_mod=score_mod, dropout=dropout)
+        try:
+            check_backend("triton", q, k, v, mask, do, key_lengths, dlse=dlse, score_mod=score_mod, dropout=dropout)
+        except AssertionError as error:  # which call, and whether replays ran before it
+            raise AssertionError(f"call {i} ({layout}), replays tried before it {ran}: {error}") from error
     backward_replayed = (15, True) in ran  # (the forward may run the Gluon kernels, which are not replayed)
     assert backward_replayed != ("relbias" in case), f"replays tried: {ran}"
