@@ -3,13 +3,13 @@
 A forward or backward call goes through the layers that decide what to launch (the plan's tables and flags, the
 tuned config, the stand-ins of a first call, the Gluon or the Triton kernels) and through ``Launcher``, which looks
 up the compiled kernel: on a GPU host that took ~0.1 ms of a forward's host time and ~0.2 ms of a backward's, more
-than their kernels take at short rows (docs/kernels.md, "Host time and the Launcher"). A call that settled (it
-compiled, tuned and stood in for nothing, and no choice changed meanwhile) is kept as a ``Replay``: its launches,
-each tensor argument named by its slot among the call's tensors (its inputs and the outputs it allocates) or taken
-as a tensor of the plan (its tables, its placeholder), which every call shares. A later call with the same plan and
-layout key then launches the same kernels with the same grids and scalars on its own tensors. A call that launched
-with any other tensor (a copy made on the call, a TMA descriptor) or did more than launch kernels is not kept; the
-caller sees to the second (``keep``'s ``settled``).
+than their kernels take at short rows (docs/kernels.md, "Host time and the Launcher"). A call that settled (it tuned
+and stood in for nothing, and no choice changed meanwhile; a launch that compiled its kernel counts) is kept as a
+``Replay``: its launches, each tensor argument named by its slot among the call's tensors (its inputs and the
+outputs it allocates) or taken as a tensor of the plan (its tables, its placeholder), which every call shares. A
+later call with the same plan and layout key then launches the same kernels with the same grids and scalars on its
+own tensors. A call that launched with any other tensor (a copy made on the call, a TMA descriptor) or did more than
+launch kernels is not kept; the caller sees to the second (``keep``'s ``settled``).
 """
 
 from __future__ import annotations
