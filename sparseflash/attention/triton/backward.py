@@ -613,14 +613,14 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
              mods, dropout_args[0])
     layout = (q.stride(), k.stride(), v.stride(), o.stride(), do.stride(), do.dtype,
               None if dlse is None else dlse.stride(), torch.are_deterministic_algorithms_enabled(), *dropout_args[1:])
-    replays = plan.replays["backward"]
-    replay = None if any(g is not None for g in grads) else replays.get(layout)
+    replays, adds_grads = plan.replays["backward"], any(g is not None for g in grads)
+    replay = None if adds_grads else replays.get(layout)
     if replay is not None and replay(slots):
         return dq, dk, dv, grads
     with replays.keep(layout, slots, plan.tensors) as settled:
         tuned = _launch(plan, q, k, v, o, lse, do, dlse, key_lengths, delta, lse2, dq, dk, dv, grads, mods,
                         stats_stride, dropout_args)
-        settled[0] = tuned and all(g is None for g in grads)
+        settled[0] = tuned and not adds_grads
     return dq, dk, dv, grads
 
 
