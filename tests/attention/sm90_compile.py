@@ -118,8 +118,8 @@ def compile_case(direction: str, dim: int, mask, score_mod) -> list:
             assert module.launch(plan, q, q, q, torch.empty_like(q), torch.empty(q.shape[:3]), mods)
         else:
             stats = torch.zeros(2 * HEADS, SEQ_LEN)
-            grads = [torch.empty_like(q) for _ in range(3)]
-            assert module.launch(plan, q, q, q, q, stats, stats, *grads, mods, SEQ_LEN)
+            grads = [torch.empty_like(q) for _ in range(2)]
+            assert module.launch(plan, q, q, q, q, stats, stats, module.accumulator(plan, q), *grads, mods, SEQ_LEN)
     finally:
         for name, original in originals.items():
             setattr(module, name, original)

@@ -513,8 +513,9 @@ def test_the_gluon_backward_reads_a_box_per_part_of_the_head_dim(dim, parts, dq_
     k = torch.randn(2, 2, 256, dim, dtype=torch.bfloat16)
     plan = LaunchPlan(q, k, make("causal", 256), False, dim ** -0.5, None)
     stats = torch.zeros(8, 256)
-    kernel, (grid, tensors, scalars, constexprs), dq_acc = backward_gluon._arguments(
-        plan, q, k, k, torch.randn_like(q), (stats, stats), torch.empty_like(k), torch.empty_like(k),
+    dq_acc = backward_gluon.accumulator(plan, q)
+    kernel, (grid, tensors, scalars, constexprs) = backward_gluon._arguments(
+        plan, q, k, k, torch.randn_like(q), (stats, stats), dq_acc, torch.empty_like(k), torch.empty_like(k),
         plan.placeholder, 256)
     wide = dim in backward_gluon.WIDE
     assert kernel is (backward_gluon.BACKWARD_GLUON_WIDE if wide else backward_gluon.BACKWARD_GLUON)
@@ -528,6 +529,7 @@ def test_the_gluon_backward_reads_a_box_per_part_of_the_head_dim(dim, parts, dq_
     else:
         assert all(a is b for a, b in zip(tensors[:4], tensors[4:8]))
     assert tuple(boxes[8:10]) == dq_boxes and dq_acc.shape == (2 * 4 * 256, dim)
+    assert tensors[8].base is dq_acc and tensors[9].base is dq_acc
     assert (constexprs["HEAD_DIM"], constexprs["HEAD_DIM2"]) == parts and sum(parts) == dim
     buffers = (constexprs.get("DO_STAGES"), constexprs.get("DQ_BUFFERS"))
     assert buffers == ({256: (1, 1)}.get(dim, (2, 2)) if wide else (None, None)), buffers

@@ -607,27 +607,34 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
              if t.requires_grad and t.dtype.is_floating_point else None for t in captures]
     mods = plan.mods_table(list(captures), grads)
     dropout_args = plan.dropout_args(dropout)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    gluon = gluon_kernels("backward") if plan.gluon_backward and not deterministic else None
+    dq_acc = plan.placeholder if gluon is None else gluon.accumulator(plan, q)  # (zeroed: the Gluon backward adds)
     # (the tensors the launches take, and what their scalars and kernels depend on besides the plan); a call that
     # adds the captured tensors' gradients also zeroes them: not replayed
     slots = (q, k, v, o, lse, do, plan.placeholder if dlse is None else dlse, delta, lse2, dq, dk, dv, key_lengths,
-             mods, dropout_args[0])
+             mods, dropout_args[0], dq_acc)
     layout = (q.stride(), k.stride(), v.stride(), o.stride(), do.stride(), do.dtype,
-              None if dlse is None else dlse.stride(), torch.are_deterministic_algorithms_enabled(), *dropout_args[1:])
+              None if dlse is None else dlse.stride(), deterministic, *dropout_args[1:])
     replays, adds_grads = plan.replays["backward"], any(g is not None for g in grads)
     replay = None if adds_grads else replays.get(layout)
     if replay is not None and replay(slots):
-        return dq, dk, dv, grads
-    with replays.keep(layout, slots, plan.tensors) as settled:
-        tuned = _launch(plan, q, k, v, o, lse, do, dlse, key_lengths, delta, lse2, dq, dk, dv, grads, mods,
-                        stats_stride, dropout_args)
-        settled[0] = tuned and not adds_grads
+        ran = replay.outcome
+    else:
+        with replays.keep(layout, slots, plan.tensors) as settled:
+            ran = _launch(plan, q, k, v, o, lse, do, dlse, key_lengths, delta, lse2, dq, dk, dv, grads, mods,
+                          stats_stride, dropout_args, gluon, dq_acc)
+            settled[0] = None if adds_grads else ran
+    if ran == "gluon":
+        gluon.finish(plan, dq_acc, dq)
     return dq, dk, dv, grads
 
 
 def _launch(plan, q, k, v, o, lse, do, dlse, key_lengths, delta, lse2, dq, dk, dv, grads, mods, stats_stride,
-            dropout_args) -> bool:
-    """Launch the backward into delta, lse2, dq, dk, dv and grads: True where the tuned Triton kernels ran, False
-    where kernels standing in for one compiling ahead did, or the Gluon backward (which also runs torch ops)."""
+            dropout_args, gluon, dq_acc) -> str | None:
+    """Launch the backward into delta, lse2, dq (or, where the Gluon backward ``gluon`` runs, ``dq_acc``), dk, dv
+    and grads: "tuned" where the tuned Triton kernels ran, "gluon" where the Gluon backward did (dq is then to be
+    made of dq_acc), None where kernels standing in for one compiling ahead did."""
     _preprocess(plan, o, do, lse, dlse, delta, lse2, stats_stride)
 
     def launcher(programs: int):
@@ -645,19 +652,18 @@ def _launch(plan, q, k, v, o, lse, do, dlse, key_lengths, delta, lse2, dq, dk, d
 
         return stand_in is not None and run_stand_in(state, launches)
 
-    gluon = gluon_kernels("backward") if plan.gluon_backward else None
     if gluon is not None:
         if stood_in("gluon_backward_stand_in", lambda _: gluon.compiling(plan, q, k, v, do, mods, stats_stride)):
-            return False
-        if gluon.launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods, stats_stride):
-            return False
+            return None
+        if gluon.launch(plan, q, k, v, do, lse2, delta, dq_acc, dk, dv, mods, stats_stride):
+            return "gluon"
     kernels = _kernels(plan)
     if kernels is FUSED and stood_in("backward_stand_in",
                                      lambda launches: launcher(0)(launches[0][0], BACKWARD.compiling)):
-        return False
+        return None
     for kernel, programs in kernels:
         run_tuned(kernel, plan.backward_key, launcher(programs))
-    return True
+    return "tuned"
 
 
 def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, captures=()) -> None:

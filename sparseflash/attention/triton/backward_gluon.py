@@ -20,7 +20,7 @@ It walks the query tiles (``BLOCK_M``: 64 rows at head dims 80-256, 128 at 48 an
              head dim 128 columns [w D/2, (w + 1) D/2) of the 64 queries, at 64 queries [64 w, 64 w + 64)
              of the 128 and every column (64 x 64 fp32, 32 registers a thread either way; a head dim in two
              parts: at 80 and 96 warpgroup 0 the first part's columns, 1 the second's, at 48 a tile a part
-             of its 64 queries: ``_dq_accumulator``); then
+             of its 64 queries: ``_dq_descriptors``); then
              dK_w += dS^T Q (dS^T from registers) runs while dQ_i goes to a staging buffer and is added
              to an fp32 accumulator by TMA reduce-add. dS^T has two buffers: a warpgroup rewrites one
              only after the barrier of the next tile, which the other passes only after its dQ product
@@ -271,7 +271,7 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
               HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end
     (DK, DV: (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous; with HEAD_DIM2 their second part's
-    columns in dk2 and dv2), and its part of each tile's dQ (``_dq_accumulator``), staged in dq_smem (and dq2_smem)."""
+    columns in dk2 and dv2), and its part of each tile's dQ (``_dq_descriptors``), staged in dq_smem (and dq2_smem)."""
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     HALF_N: gl.constexpr = BLOCK_N // 2
     PARTS: gl.constexpr = 2 if HEAD_DIM2 > 0 else 1  # wgmma groups of a product over the head dim
@@ -284,7 +284,7 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
                                                          instr_shape=[16, HEAD_DIM2 if HEAD_DIM2 > 0 else 16, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     a2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv2_layout, k_width=2)
-    # the warpgroup's dQ tiles (``_dq_accumulator``): the first at (DQ_ROW, DQ_COLUMN) of the query tile, of the keys'
+    # the warpgroup's dQ tiles (``_dq_descriptors``): the first at (DQ_ROW, DQ_COLUMN) of the query tile, of the keys'
     # columns dq_keys; with SECOND_DQ (query tiles of 128 rows, a head dim in two parts) the second part's beside it
     DQ_TILE_ROWS: gl.constexpr = dq_smem.type.shape[0]
     DQ_COLUMNS: gl.constexpr = dq_smem.type.shape[1]
@@ -424,7 +424,7 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
     dO as ``row_view`` matrices in boxes of HEAD_DIM columns, K and V in 64-row boxes, Q and dO in BLOCK_M-row
     ones; q2/k2/v2/do2_desc the HEAD_DIM2 columns after them (the same descriptors, unused, without a second
     part); dq_desc and dq2_desc the fp32 dQ accumulator (B * H * q_len, HEAD_DIM + HEAD_DIM2) in the boxes of
-    the consumers' dQ tiles (``_dq_accumulator``); lse_desc and delta_desc lse2 and delta (B * H * stats_stride,
+    the consumers' dQ tiles (``_dq_descriptors``); lse_desc and delta_desc lse2 and delta (B * H * stats_stride,
     from the preprocess) in boxes of BLOCK_M."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = 2 * k_desc.block_type.shape[0]
@@ -446,7 +446,7 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
         v2_smem = v_smem
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    # the consumers' dQ staging buffers (``_dq_accumulator``): warpgroup 1 stages the second part's tile where it
+    # the consumers' dQ staging buffers (``_dq_descriptors``): warpgroup 1 stages the second part's tile where it
     # takes that part (query tiles of 64 rows, a head dim in two parts), each stages both parts' at 128 rows
     dq_smem0 = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
     if BLOCK_M == 64 and HEAD_DIM2 > 0:
@@ -725,9 +725,9 @@ def _rows_off(plan, lse2, mods: torch.Tensor, stats_stride: int, block_m: int, a
                                                                   TILE=block_m))
 
 
-def _dq_accumulator(rows: int, parts: tuple[int, int], block_m: int,
-                    device) -> tuple[torch.Tensor, TensorDescriptor, TensorDescriptor]:
-    """dQ's fp32 accumulator (rows, head dim) and the descriptors of the consumers' dQ tiles of DQ_ROWS query
+def _dq_descriptors(dq_acc: torch.Tensor, parts: tuple[int, int], block_m: int) -> tuple[TensorDescriptor,
+                                                                                         TensorDescriptor]:
+    """The descriptors over dQ's fp32 accumulator (rows, head dim) of the consumers' dQ tiles of DQ_ROWS query
     rows, (dq_desc, dq2_desc): with query tiles of 2 x DQ_ROWS rows (head dims 48 and 64) each warpgroup adds its
     half of the rows, a tile a part of the head dim (``plan.head_dim_parts``: the first's columns, then the
     second's); with tiles of DQ_ROWS rows every row, warpgroup 0 the first part's columns and 1 the second's (at
@@ -735,8 +735,7 @@ def _dq_accumulator(rows: int, parts: tuple[int, int], block_m: int,
     Boxes of fp32 rows of 128 bytes a swizzle atom where they are that wide: TMA reduces at ~1.8x the rate of
     unswizzled boxes (H100)."""
     first, second = parts
-    head_dim = first + second
-    dq_acc = torch.zeros(rows, head_dim, dtype=torch.float32, device=device)
+    rows, head_dim = dq_acc.shape
     if head_dim in WIDE:  # chunks of at most 64 columns (``_consumer_wide``)
         widths = (min(first, 64), min(second, 64))
     elif second:
@@ -746,7 +745,7 @@ def _dq_accumulator(rows: int, parts: tuple[int, int], block_m: int,
     boxes = {width: TensorDescriptor(dq_acc, [rows, head_dim], [head_dim, 1], [DQ_ROWS, width],
                                      gluon_tools.shared_layout(DQ_ROWS, width, torch.float32))
              for width in set(widths)}  # one descriptor where both tiles' boxes agree: a launch's host time
-    return dq_acc, boxes[widths[0]], boxes[widths[1]]
+    return boxes[widths[0]], boxes[widths[1]]
 
 
 @functools.lru_cache(maxsize=None)
@@ -769,33 +768,41 @@ def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], par
                 **dict(zip(("DO_STAGES", "DQ_BUFFERS"), WIDE_BUFFERS.get(sum(parts), ()))))
 
 
-def launch(plan, q, k, v, do, lse2, delta, dq, dk, dv, mods: torch.Tensor, stats_stride: int,
+def accumulator(plan, q: torch.Tensor) -> torch.Tensor:
+    """dQ's fp32 accumulator (B * H * q_len, head dim), zeroed: ``launch`` adds dQ into it, ``finish`` makes dq of
+    it. The caller makes it, so that the launches read only the call's tensors (``replay.py``)."""
+    return torch.zeros(plan.batch * plan.heads * plan.q_len, q.shape[3], dtype=torch.float32, device=q.device)
+
+
+def launch(plan, q, k, v, do, lse2, delta, dq_acc, dk, dv, mods: torch.Tensor, stats_stride: int,
            ahead: bool = False) -> bool:
-    """Compute dq, dk, dv (contiguous) on a problem ``applies`` admits, from ``lse2`` and ``delta`` of the
-    preprocess, less the score function's row terms (``_lse2_less_rows``, in place), and the plan's MODS table
-    ``mods`` (``ahead``: only compile, with ``Standin``s for do and all past it: a contiguous do, as the usual loss
-    gives); do is read from a fresh contiguous copy where TMA cannot read its layout. False (nothing
-    launched) where TMA cannot read one of q, k, v's layouts, or where torch is asked for deterministic
-    algorithms (``torch.use_deterministic_algorithms``): dQ's TMA adds land in any order, so its last bits
-    vary from run to run, and the Triton backward's do not."""
-    prepared = _arguments(plan, q, k, v, do, None if ahead else (lse2, delta), dk, dv, mods, stats_stride)
+    """Add dQ into ``dq_acc`` (``accumulator``) and compute dk, dv (contiguous) on a problem ``applies`` admits,
+    from ``lse2`` and ``delta`` of the preprocess, less the score function's row terms (``_lse2_less_rows``, in
+    place), and the plan's MODS table ``mods`` (``ahead``: only compile, with ``Standin``s for do and all past it:
+    a contiguous do, as the usual loss gives); do is read from a fresh contiguous copy where TMA cannot read its
+    layout. False (nothing launched) where TMA cannot read one of q, k, v's layouts, or where torch is asked for
+    deterministic algorithms (``torch.use_deterministic_algorithms``): dQ's TMA adds land in any order, so its
+    last bits vary from run to run, and the Triton backward's do not."""
+    prepared = _arguments(plan, q, k, v, do, None if ahead else (lse2, delta), dq_acc, dk, dv, mods, stats_stride)
     if prepared is None:
         return False
-    kernel, arguments, dq_acc = prepared
+    kernel, arguments = prepared
     if plan.score_row is not None:
         _rows_off(plan, lse2, mods, stats_stride, BLOCK_M[q.shape[3]], ahead)
-    if ahead:
-        kernel.compile_ahead(*arguments)
-        return True
-    kernel(*arguments)
-    torch.mul(dq_acc.view(dq.shape), plan.scale, out=dq)
+    (kernel.compile_ahead if ahead else kernel)(*arguments)
     return True
+
+
+def finish(plan, dq_acc: torch.Tensor, dq: torch.Tensor) -> None:
+    """dq (contiguous, q's dtype) from the accumulator a ``launch`` added dQ into."""
+    torch.mul(dq_acc.view(dq.shape), plan.scale, out=dq)
 
 
 def compile_ahead(plan, q, k, v, mods: torch.Tensor, stats: Standin, stats_stride: int) -> bool:
     """Start compiling the kernel ``launch`` will run after a forward on q, k, v; False where it will not."""
     out = Standin(q.dtype, q.shape)
-    return launch(plan, q, k, v, out, stats, stats, out, Standin(k.dtype, k.shape), Standin(v.dtype, v.shape), mods,
+    small = torch.zeros(BLOCK_M[q.shape[3]], q.shape[3], dtype=torch.float32, device=q.device)  # (keys alike)
+    return launch(plan, q, k, v, out, stats, stats, small, Standin(k.dtype, k.shape), Standin(v.dtype, v.shape), mods,
                   stats_stride, ahead=True)
 
 
@@ -803,15 +810,16 @@ def compiling(plan, q, k, v, do, mods: torch.Tensor, stats_stride: int) -> bool:
     """Whether the compile ahead of the kernel that ``launch`` would run on these inputs is in flight
     (``Launcher.compiling``: what the Triton backward standing in for it waits on); False where ``launch``
     would launch nothing."""
-    prepared = _arguments(plan, q, k, v, do, None, Standin(k.dtype, k.shape), Standin(v.dtype, v.shape), mods,
+    small = torch.zeros(BLOCK_M[q.shape[3]], q.shape[3], dtype=torch.float32, device=q.device)  # (keys alike)
+    prepared = _arguments(plan, q, k, v, do, None, small, Standin(k.dtype, k.shape), Standin(v.dtype, v.shape), mods,
                           stats_stride)
     return prepared is not None and prepared[0].compiling(*prepared[1])
 
 
-def _arguments(plan, q, k, v, do, stats: tuple | None, dk, dv, mods: torch.Tensor, stats_stride: int):
-    """(the kernel's Launcher, the launch's (grid, tensors, scalars, constexprs), dQ's fp32 accumulator), or None
-    where ``launch`` launches nothing. ``stats``: (lse2, delta); None for the arguments of a compile ahead (a small
-    accumulator, and descriptors that key alike in place of dO's and the statistics')."""
+def _arguments(plan, q, k, v, do, stats: tuple | None, dq_acc, dk, dv, mods: torch.Tensor, stats_stride: int):
+    """(the kernel's Launcher, the launch's (grid, tensors, scalars, constexprs)), or None where ``launch`` launches
+    nothing. ``stats``: (lse2, delta); None for the arguments of a compile ahead (descriptors that key alike in
+    place of dO's and the statistics', over ``dq_acc``, which may then be a small one)."""
     if torch.are_deterministic_algorithms_enabled():
         return None
     rows = gluon_tools.layout_rows(plan.per_layout.setdefault("gluon_backward", {}), (q, k, v, do))
@@ -835,8 +843,7 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dk, dv, mods: torch.Tenso
     # a box per part of the head dim, the first part's again without a second
     first_part = boxes(parts[0])
     descriptors = (*first_part, *(boxes(parts[1]) if parts[1] else first_part))
-    dq_acc, *dq_descs = _dq_accumulator(block_m if ahead else plan.batch * plan.heads * plan.q_len, parts,
-                                        block_m, q.device)
+    dq_descs = _dq_descriptors(dq_acc, parts, block_m)
     lse_desc, delta_desc = (_stats(dq_acc, block_m), _stats(dq_acc, block_m)) if ahead else (
         _stats(stats[0], block_m), _stats(stats[1], block_m))
     tables, table_strides = plan.tables_of("q")
@@ -846,4 +853,4 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dk, dv, mods: torch.Tenso
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *table_strides, plan.heads,
          plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
         _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, parts,
-                    (plan.mask_mod, plan.score_mod, plan.score_keys))), dq_acc
+                    (plan.mask_mod, plan.score_mod, plan.score_keys)))

@@ -8,13 +8,15 @@ and stood in for nothing, and no choice changed meanwhile; a launch that compile
 ``Replay``: its launches, each tensor argument named by its slot among the call's tensors (its inputs and the
 outputs it allocates) or taken as a tensor of the plan (its tables, its placeholder), which every call shares. A
 later call with the same plan and layout key then launches the same kernels with the same grids and scalars on its
-own tensors. A call that launched with any other tensor (a copy made on the call, a TMA descriptor) or did more than
-launch kernels is not kept; the caller sees to the second (``keep``'s ``settled``).
+own tensors; a TMA descriptor (the Gluon kernels') over one of those tensors is rebuilt over the later call's (its
+shape, strides and box are the layout's). A call that launched with any other tensor (a copy made on the call) or did
+more than launch kernels is not kept; the caller sees to the second (``keep``'s ``settled``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import operator
 from typing import Iterator
@@ -30,16 +32,20 @@ NOT_REPLAYED = False  # kept for a layout whose calls launch what a replay canno
 class Replay:
     """The launches of one call, to launch again on the tensors of a later call: ``replay(slots)``."""
 
-    def __init__(self, steps: list[tuple], constants: list[torch.Tensor]):
-        self._steps = steps  # (Compiled, 3-D grid, indices into the slots' addresses and the constants', scalars)
+    def __init__(self, steps: list[tuple], constants: list[torch.Tensor], outcome=True):
+        # (Compiled, 3-D grid, indices into the slots' addresses and the constants', scalars, and (argument, index,
+        # descriptor) of each TMA descriptor among the arguments: rebuilt over the tensor at that index)
+        self._steps = steps
         self._constants = constants  # (kept alive: their addresses are in the steps)
         self._constant_addresses = [t.data_ptr() for t in constants]
         self._device = current_device()  # the device the kernels were loaded on
+        self.outcome = outcome  # what the kept call reported (``Replays.keep``'s settled), for the caller
 
     @classmethod
-    def of(cls, launches: list, slots: tuple[torch.Tensor, ...], constants: tuple[torch.Tensor, ...]):
+    def of(cls, launches: list, slots: tuple[torch.Tensor, ...], constants: tuple[torch.Tensor, ...], outcome=True):
         """The replay of ``launches`` (a ``recorded`` block's) on calls that give their tensors as ``slots`` (this
-        call's, in the order later calls will give theirs), ``constants`` the plan's tensors; None where this
+        call's, in the order later calls will give theirs), ``constants`` the plan's tensors, ``outcome`` what the
+        call reported (``Replay.outcome``); None where this
         call cannot be kept but a later one may be (one tensor in two slots, a misaligned slot); NOT_REPLAYED where
         no call of this layout can be (a launch with another tensor, or through Triton's interpreter)."""
         if not launches or None in launches:
@@ -53,10 +59,13 @@ class Replay:
             index[id(t)] = i
         steps = []
         for compiled, grid, tensors, scalars in launches:
-            if any(id(t) not in index for t in tensors):
+            bases = [getattr(t, "base", t) for t in tensors]  # (a TMA descriptor's base: the tensor it reads)
+            if any(id(t) not in index for t in bases):
                 return NOT_REPLAYED
-            steps.append((compiled, (*grid, 1, 1)[:3], [index[id(t)] for t in tensors], scalars))
-        return cls(steps, list(constants))
+            indices = [index[id(t)] for t in bases]
+            descriptors = [(i, indices[i], t) for i, t in enumerate(tensors) if t is not bases[i]]
+            steps.append((compiled, (*grid, 1, 1)[:3], indices, scalars, descriptors))
+        return cls(steps, list(constants), outcome)
 
     def __call__(self, slots: tuple[torch.Tensor, ...]) -> bool:
         """Launch the kept launches on ``slots``: True; False (nothing launched) where a slot is not 16-byte
@@ -68,15 +77,28 @@ class Replay:
             return False
         addresses += self._constant_addresses
         stream = current_stream(device)
-        for compiled, grid, indices, scalars in self._steps:
-            compiled.launch(grid, stream, [addresses[i] for i in indices], scalars)
+        for compiled, grid, indices, scalars, descriptors in self._steps:
+            arguments = [addresses[i] for i in indices]
+            for argument, i, descriptor in descriptors:
+                arguments[argument] = _rebased(descriptor, slots[i] if i < len(slots) else
+                                               self._constants[i - len(slots)])
+            compiled.launch(grid, stream, arguments, scalars)
         return True
+
+
+def _rebased(descriptor, base: torch.Tensor):
+    """A copy of the TMA descriptor ``descriptor`` (Gluon's TensorDescriptor) over ``base``, a tensor of its base's
+    layout: not checked again (its checks, run when it was made, cost more than the launch)."""
+    rebased = copy.copy(descriptor)
+    rebased.base = base
+    return rebased
 
 
 class Replays:
     """A plan's replays of one kind of call (forward or backward), by layout key: ``replays.get(key)`` is the
     replay to launch, if kept under the current tuning choices; ``with replays.keep(key, slots, constants) as
-    settled:`` records the launches of the block and keeps them where the block sets ``settled[0]``."""
+    settled:`` records the launches of the block and keeps them where the block sets ``settled[0]`` (to a true
+    value, which the replay keeps as its ``outcome``)."""
 
     def __init__(self):
         self._kept: dict[tuple, tuple[int, Replay | bool]] = {}
@@ -96,6 +118,6 @@ class Replays:
         with recorded() as launches:
             yield settled
         if settled[0] and tuning.choices_version() == version:
-            replay = Replay.of(launches, slots, constants)
+            replay = Replay.of(launches, slots, constants, settled[0])
             if replay is not None:
                 self._kept[key] = version, replay
