@@ -26,7 +26,7 @@ import torch
 from sparseflash.attention.triton import tuning
 from sparseflash.attention.triton.launch import current_device, current_stream, launch_hooks_set, recorded
 
-NOT_REPLAYED = False  # kept for a layout whose calls launch what a replay cannot take (a TMA descriptor, a copy)
+NOT_REPLAYED = False  # kept for a layout whose calls launch what a replay cannot take (a copy made on the call)
 
 
 class Replay:
