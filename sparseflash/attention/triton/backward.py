@@ -609,7 +609,9 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
     dropout_args = plan.dropout_args(dropout)
     deterministic = torch.are_deterministic_algorithms_enabled()
     gluon = gluon_kernels("backward") if plan.gluon_backward and not deterministic else None
-    dq_acc = plan.placeholder if gluon is None else gluon.accumulator(plan, q)  # (zeroed: the Gluon backward adds)
+    # dQ's accumulator, which the Gluon backward adds into (a slot of the call: also made where this call then runs
+    # the Triton kernels, standing in on a first call or for a layout TMA cannot read)
+    dq_acc = plan.placeholder if gluon is None else gluon.accumulator(plan, q)
     # (the tensors the launches take, and what their scalars and kernels depend on besides the plan); a call that
     # adds the captured tensors' gradients also zeroes them: not replayed
     slots = (q, k, v, o, lse, do, plan.placeholder if dlse is None else dlse, delta, lse2, dq, dk, dv, key_lengths,

@@ -801,19 +801,23 @@ def finish(plan, dq_acc: torch.Tensor, dq: torch.Tensor) -> None:
 def compile_ahead(plan, q, k, v, mods: torch.Tensor, stats: Standin, stats_stride: int) -> bool:
     """Start compiling the kernel ``launch`` will run after a forward on q, k, v; False where it will not."""
     out = Standin(q.dtype, q.shape)
-    small = torch.zeros(BLOCK_M[q.shape[3]], q.shape[3], dtype=torch.float32, device=q.device)  # (keys alike)
-    return launch(plan, q, k, v, out, stats, stats, small, Standin(k.dtype, k.shape), Standin(v.dtype, v.shape), mods,
-                  stats_stride, ahead=True)
+    return launch(plan, q, k, v, out, stats, stats, _small_accumulator(q), Standin(k.dtype, k.shape),
+                  Standin(v.dtype, v.shape), mods, stats_stride, ahead=True)
 
 
 def compiling(plan, q, k, v, do, mods: torch.Tensor, stats_stride: int) -> bool:
     """Whether the compile ahead of the kernel that ``launch`` would run on these inputs is in flight
     (``Launcher.compiling``: what the Triton backward standing in for it waits on); False where ``launch``
     would launch nothing."""
-    small = torch.zeros(BLOCK_M[q.shape[3]], q.shape[3], dtype=torch.float32, device=q.device)  # (keys alike)
-    prepared = _arguments(plan, q, k, v, do, None, small, Standin(k.dtype, k.shape), Standin(v.dtype, v.shape), mods,
-                          stats_stride)
+    prepared = _arguments(plan, q, k, v, do, None, _small_accumulator(q), Standin(k.dtype, k.shape),
+                          Standin(v.dtype, v.shape), mods, stats_stride)
     return prepared is not None and prepared[0].compiling(*prepared[1])
+
+
+def _small_accumulator(q: torch.Tensor) -> torch.Tensor:
+    """An accumulator of one query tile's rows: its descriptors key a launch as the whole one's do (a compile ahead
+    needs no more)."""
+    return torch.empty(BLOCK_M[q.shape[3]], q.shape[3], dtype=torch.float32, device=q.device)
 
 
 def _arguments(plan, q, k, v, do, stats: tuple | None, dq_acc, dk, dv, mods: torch.Tensor, stats_stride: int):

@@ -45,9 +45,9 @@ class Replay:
     def of(cls, launches: list, slots: tuple[torch.Tensor, ...], constants: tuple[torch.Tensor, ...], outcome=True):
         """The replay of ``launches`` (a ``recorded`` block's) on calls that give their tensors as ``slots`` (this
         call's, in the order later calls will give theirs), ``constants`` the plan's tensors, ``outcome`` what the
-        call reported (``Replay.outcome``); None where this
-        call cannot be kept but a later one may be (one tensor in two slots, a misaligned slot); NOT_REPLAYED where
-        no call of this layout can be (a launch with another tensor, or through Triton's interpreter)."""
+        call reported (``Replay.outcome``); None where this call cannot be kept but a later one may be (one tensor
+        in two slots, a misaligned slot); NOT_REPLAYED where no call of this layout can be (a launch with another
+        tensor, or through Triton's interpreter)."""
         if not launches or None in launches:
             return NOT_REPLAYED
         index = {id(t): len(slots) + i for i, t in enumerate(constants)}
