@@ -67,7 +67,11 @@ def test_a_replay_launches_nothing_for_a_misaligned_tensor_on_another_device_or_
 
 def test_a_tma_descriptor_is_rebuilt_over_the_later_calls_tensor(log):
     """A Gluon kernel's TMA descriptor over a slot (or a plan's tensor) reads the later call's tensor, with the
-    recorded shape, strides, box and layout; the recorded one stays as it was. The replay keeps the call's outcome."""
+    recorded shape, strides, box and layout, one object wherever the recorded call passed one; the recorded one stays
+    as it was, and the replay does not keep the recorded call's tensor alive. The replay keeps the call's outcome."""
+    import gc
+    import weakref
+
     from sparseflash.attention.triton.gluon_tools import TensorDescriptor, shared_layout
 
     def over(x):
@@ -81,11 +85,15 @@ def test_a_tma_descriptor_is_rebuilt_over_the_later_calls_tensor(log):
     assert kept((a2, out2)) and kept.outcome == "gluon"
     ((kind, grid, arguments),) = log
     assert grid == (3, 1, 1) and arguments[2] == out2.data_ptr() and arguments[4:] == (7, *CONSTEXPRS)
-    assert arguments[0].base is a2 and arguments[3].base is a2 and arguments[1].base is table
+    assert arguments[0] is arguments[3] and arguments[0].base is a2 and arguments[1].base is table
     for rebuilt, recorded in ((arguments[0], over_a), (arguments[1], over_table)):
         assert (rebuilt.shape, rebuilt.strides, rebuilt.block_shape, rebuilt.layout) == (
             recorded.shape, recorded.strides, recorded.block_shape, recorded.layout)
     assert over_a.base is a and over_table.base is table
+    kept_a = weakref.ref(a)
+    del a, over_a
+    gc.collect()
+    assert kept_a() is None  # (the replay holds the plan's table, not the call's tensors)
 
 
 def test_a_plans_tensor_given_in_a_slot_stays_a_constant(log):
@@ -168,11 +176,11 @@ def test_gpu_replayed_calls_match_the_reference(case, monkeypatch):
     if case.endswith("gluon"):
         monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     mask = make(pattern, seq, block=64) if pattern == "butterfly" else pattern
-    ran = []  # (slots, replayed) of each replay tried: a forward's 8 slots, a backward's 16
+    ran = []  # (slots, replayed, outcome) of each replay tried: a forward's 8 slots, a backward's 16
     replay_call = replay.Replay.__call__
 
     def counted(self, slots):
-        ran.append((len(slots), replay_call(self, slots)))
+        ran.append((len(slots), replay_call(self, slots), self.outcome))
         return ran[-1][1]
 
     monkeypatch.setattr(replay.Replay, "__call__", counted)
@@ -199,4 +207,6 @@ def test_gpu_replayed_calls_match_the_reference(case, monkeypatch):
             raise AssertionError(f"call {i} ({layout}), replays tried before it {ran}: {error}") from error
         if i == 0:  # the kernels compiling ahead compiled: the next calls launch them (are not standing in)
             sparseflash.wait_for_compiles()
-    assert ((16, True) in ran) != ("relbias" in case) and (8, True) in ran, f"replays tried: {ran}"
+    # (a backward replay of the kernels this case runs: the Gluon backward's, or the tuned Triton kernels')
+    backward = (16, True, "gluon" if case.endswith("gluon") else "tuned")
+    assert (backward in ran) != ("relbias" in case) and (8, True, True) in ran, f"replays tried: {ran}"

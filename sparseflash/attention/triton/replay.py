@@ -8,9 +8,10 @@ and stood in for nothing, and no choice changed meanwhile; a launch that compile
 ``Replay``: its launches, each tensor argument named by its slot among the call's tensors (its inputs and the
 outputs it allocates) or taken as a tensor of the plan (its tables, its placeholder), which every call shares. A
 later call with the same plan and layout key then launches the same kernels with the same grids and scalars on its
-own tensors; a TMA descriptor (the Gluon kernels') over one of those tensors is rebuilt over the later call's (its
-shape, strides and box are the layout's). A call that launched with any other tensor (a copy made on the call) or did
-more than launch kernels is not kept; the caller sees to the second (``keep``'s ``settled``).
+own tensors; a TMA descriptor (the Gluon kernels') over one of those tensors is kept without it (a replay holds no
+tensor of the call it kept) and rebuilt over the later call's (its shape, strides and box are the layout's). A call
+that launched with any other tensor (a copy made on the call) or did more than launch kernels is not kept; the
+caller sees to the second (``keep``'s ``settled``).
 """
 
 from __future__ import annotations
@@ -26,15 +27,18 @@ import torch
 from sparseflash.attention.triton import tuning
 from sparseflash.attention.triton.launch import current_device, current_stream, launch_hooks_set, recorded
 
-NOT_REPLAYED = False  # kept for a layout whose calls launch what a replay cannot take (a copy made on the call)
+# kept for a layout whose calls launch what a replay cannot take (a copy made on the call, a tensor of neither the
+# call nor the plan, a launch through Triton's interpreter)
+NOT_REPLAYED = False
 
 
 class Replay:
     """The launches of one call, to launch again on the tensors of a later call: ``replay(slots)``."""
 
     def __init__(self, steps: list[tuple], constants: list[torch.Tensor], outcome=True):
-        # (Compiled, 3-D grid, indices into the slots' addresses and the constants', scalars, and (argument, index,
-        # descriptor) of each TMA descriptor among the arguments: rebuilt over the tensor at that index)
+        # (Compiled, 3-D grid, indices into the slots' addresses and the constants', scalars, and (places, index,
+        # descriptor) of each TMA descriptor among the arguments, at one or more places: rebuilt over the tensor at
+        # that index)
         self._steps = steps
         self._constants = constants  # (kept alive: their addresses are in the steps)
         self._constant_addresses = [t.data_ptr() for t in constants]
@@ -63,7 +67,11 @@ class Replay:
             if any(id(t) not in index for t in bases):
                 return NOT_REPLAYED
             indices = [index[id(t)] for t in bases]
-            descriptors = [(i, indices[i], t) for i, t in enumerate(tensors) if t is not bases[i]]
+            places: dict[int, list[int]] = {}  # a descriptor's places among the arguments (one object: one copy)
+            for i, t in enumerate(tensors):
+                if t is not bases[i]:
+                    places.setdefault(id(t), []).append(i)
+            descriptors = [(at, indices[at[0]], _rebased(tensors[at[0]], None)) for at in places.values()]
             steps.append((compiled, (*grid, 1, 1)[:3], indices, scalars, descriptors))
         return cls(steps, list(constants), outcome)
 
@@ -79,16 +87,18 @@ class Replay:
         stream = current_stream(device)
         for compiled, grid, indices, scalars, descriptors in self._steps:
             arguments = [addresses[i] for i in indices]
-            for argument, i, descriptor in descriptors:
-                arguments[argument] = _rebased(descriptor, slots[i] if i < len(slots) else
-                                               self._constants[i - len(slots)])
+            for places, i, descriptor in descriptors:
+                rebased = _rebased(descriptor, slots[i] if i < len(slots) else self._constants[i - len(slots)])
+                for place in places:
+                    arguments[place] = rebased
             compiled.launch(grid, stream, arguments, scalars)
         return True
 
 
-def _rebased(descriptor, base: torch.Tensor):
+def _rebased(descriptor, base: torch.Tensor | None):
     """A copy of the TMA descriptor ``descriptor`` (Gluon's TensorDescriptor) over ``base``, a tensor of its base's
-    layout: not checked again (its checks, run when it was made, cost more than the launch)."""
+    layout (None: over nothing, as a replay keeps it): not checked again (its checks, run when it was made, cost more
+    than the launch)."""
     rebased = copy.copy(descriptor)
     rebased.base = base
     return rebased
@@ -109,7 +119,7 @@ class Replays:
         return replay if replay and current is not None and version == current else None
 
     @contextlib.contextmanager
-    def keep(self, key: tuple, slots: tuple, constants: tuple) -> Iterator[list[bool]]:
+    def keep(self, key: tuple, slots: tuple, constants: tuple) -> Iterator[list]:
         version = tuning.choices_version()
         settled = [False]
         if version is None or self._kept.get(key) == (version, NOT_REPLAYED):
