@@ -1,6 +1,6 @@
 """Compile the Gluon kernels for Hopper (sm_90a) on a machine without a GPU: ``python -m tests.attention.sm90_compile``
 (with TRITON_INTERPRET unset) prints ``compiled <case>`` for each case it compiled, through ptxas to a cubin, within
-an H100's shared memory.
+an H100's shared memory and with the products in flight (ptxas did not serialize them for want of registers).
 
 Triton's front end, its passes and ptxas need no GPU; only its driver asks CUDA for the device, stream and
 target. ``Sm90Driver`` answers for them, and the Gluon kernels' own ``launch`` functions build every argument
@@ -11,8 +11,13 @@ process, since the interpreter a CPU test run sets (TRITON_INTERPRET) is read wh
 
 from __future__ import annotations
 
+import subprocess
+import tempfile
+from pathlib import Path
+
 import torch
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime import driver
 
 from sparseflash import masks
@@ -74,6 +79,7 @@ def cases() -> dict:
         "forward-d128-causal": ("forward", 128, causal, None),
         "forward-d128-alibi": ("forward", 128, causal, alibi),
         "forward-d128-documents": ("forward", 128, documents, None),
+        "forward-d64-dense": ("forward", 64, masks.make("dense", SEQ_LEN), None),  # three consumer warpgroups
         "forward-d64-alibi": ("forward", 64, causal, alibi),
         "forward-d64-documents": ("forward", 64, documents, None),
         "forward-d256-causal": ("forward", 256, causal, None),
@@ -126,6 +132,18 @@ def compile_case(direction: str, dim: int, mask, score_mod) -> list:
     return [kernel for stand_in in stand_ins.values() for kernel in stand_in.compiled]
 
 
+def serialized_products(kernel) -> bool:
+    """Whether ptxas serializes the compiled kernel's wgmma products (waits for each as it is issued), which it
+    does, saying so only in its info output, where the registers a thread may take cannot hold the products in
+    flight: the kernel stays right and loses the overlap it was written for."""
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = Path(folder) / "kernel.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        command = [get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))]
+        info = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+    return "wgmma.mma_async instructions are serialized" in info
+
+
 def main() -> None:
     driver.set_active(Sm90Driver())
     for name, case in cases().items():
@@ -133,6 +151,8 @@ def main() -> None:
         assert compiled and all(kernel.asm["cubin"] for kernel in compiled), name
         shared = [kernel.metadata.shared for kernel in compiled]
         assert max(shared) <= HOPPER_SHARED_BYTES, f"{name}: shared memory {shared} over {HOPPER_SHARED_BYTES} bytes"
+        serialized = [kernel.name for kernel in compiled if serialized_products(kernel)]
+        assert not serialized, f"{name}: ptxas serialized the products of {serialized}"
         print("compiled", name, flush=True)
 
 

@@ -1,22 +1,24 @@
 """The forward for Hopper written in Gluon: FlashAttention-3's structure, which Triton's own warp
 specialisation does not reach (docs/kernels.md, "The Gluon forward").
 
-A work item is one 128-row query tile of one (batch, head) (``_work_item``). A program takes items pid,
+A work item is one query tile of WARPGROUPS x 64 rows of one (batch, head) (``_work_item``; a tile of three
+may run past q_len: its rows past it are computed and not stored). A program takes items pid,
 pid + num_programs, ...: a program per multiprocessor, or (CAUSAL, whose items differ in length) one item
-a program, the GPU handing out the next as one ends. Two warpgroups and a warp:
-  producer   one warp (24 registers a thread) loads each item's Q (two 64-row halves) once both consumers are
-             done with the last one (``q_empty``), then each key tile's K and V by TMA into a ring of
+a program, the GPU handing out the next as one ends. WARPGROUPS consumer warpgroups and a warp:
+  producer   one warp (24 registers a thread) loads each item's Q (a 64-row box per consumer) once every
+             consumer is done with the last one (``q_empty``), then each key tile's K and V by TMA into a ring of
              STAGES buffers that runs on from item to item; ``ready`` mbarriers say a buffer is full,
-             ``empty`` ones (two arrivals, one per consumer) that it may be refilled: ``v_empty`` once
+             ``empty`` ones (an arrival per consumer) that it may be refilled: ``v_empty`` once
              tile j's P V is done, and K's buffer with it unless K_EARLY, where ``k_empty`` frees it once
              tile j's scores are.
-  consumers  two warpgroups of 64 query rows each. Each issues tile j's scores S_j = Q K_j^T and the
-             previous tile's P_{j-1} V_{j-1} together, waits for S_j only and computes the softmax of
-             tile j while P_{j-1} V_{j-1} still runs on the tensor cores (the overlap inside a
-             warpgroup); they also take turns issuing their products (named barriers 8 and 9), so
-             that one warpgroup's softmax runs under the other's products; the turns alternate strictly
-             over all of a program's items (warpgroup 1 arrives once before the item loop, warpgroup 0
-             syncs once after it), so that no arrival can meet another of the same warpgroup.
+  consumers  two (three at head dims 48 and 64, ``_warpgroups``) warpgroups of 64 query rows each. Each issues
+             tile j's scores S_j = Q K_j^T and the previous tile's P_{j-1} V_{j-1} together, waits for S_j only
+             and computes the softmax of tile j while P_{j-1} V_{j-1} still runs on the tensor cores (the
+             overlap inside a warpgroup); they also take turns issuing their products (named barriers 8, 9 and
+             10: a warpgroup waits on its own and arrives on the next one's), so that one warpgroup's softmax
+             runs under the others' products; the turns go round strictly over all of a program's items (the
+             last warpgroup arrives once before the item loop, warpgroup 0 syncs once after it), so that no
+             arrival can meet another of the same warpgroup.
 
 Constexpr flags:
   MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): tiles 0.. of every key, of the keys up to
@@ -25,7 +27,7 @@ Constexpr flags:
   IS_CAUSAL      SPARSE only: the partial blocks are cut by q_idx >= kv_idx (top-left alignment).
   MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW  the generated helpers (codegen.py) as in forward.py, or None:
                  MASK_MOD cuts the partial blocks too; a score function gives the tiles' base-2 scores.
-  BLOCK_N        key rows of a tile (``KEY_TILE``: 128, 64 at head dims 192 and 256); the query tile is 2 x 64 rows.
+  BLOCK_N        key rows of a tile (``KEY_TILE``: 128, 64 at head dims 192 and 256).
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
   HEAD_DIM, HEAD_DIM2  the head dim, a power of two (HEAD_DIM2 = 0), or its two parts (``plan.head_dim_parts``:
                  96 = 64 + 32), each read by TMA boxes of its own width and multiplied apart (S = Q K^T + Q2 K2^T,
@@ -34,6 +36,7 @@ Constexpr flags:
                  branch sits between the softmax and the wait for PV_{j-1} (without one, ptxas hoists that
                  wait above the softmax): with 3 or more buffers K_{j+1} goes where tile j-2 was; with 2
                  (head dims 160 and 256, whose Q and 80 or 64 KiB a stage leave room for no third), K_EARLY.
+  WARPGROUPS     consumer warpgroups (``_warpgroups``), each 64 rows of the query tile.
   K_EARLY        STAGES < 3: K's buffer of tile j is released as soon as S_j is computed, so that K_{j+1}
                  can load into tile j-1's while P_{j-1} V_{j-1} still reads V_{j-1}.
 
@@ -87,10 +90,13 @@ TILES = {dim: (BLOCK_M, keys) for dim, keys in KEY_TILE.items()}  # (query, key)
 # head dim 128 is weaker (1.07x from 576 keys). At head dim 256 (64-key tiles, Triton's forward weaker there):
 # 1.11-1.32x from 320 keys, 0.99x at 192-256. Head dims in two parts, against the Triton forward's two parts:
 # 1.05-1.43x from 1,024 keys (160: 1.21x at 576 causal), 0.86-1.02x at 576 causal (48: 0.97x at 1,088 causal).
-AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, False): 4096, (256, True): 256,
+# Head dim 64 with three consumers (H200): DENSE 1.14-1.22x from 2,048 keys, 1.01x at 1,024; CAUSAL 0.94x at
+# 2,048 keys on average (S=4096).
+AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, False): 2048, (256, True): 256,
                  (256, False): 512, (48, True): 2048, (48, False): 1024, (80, True): 1024, (80, False): 1024,
                  (96, True): 1024, (96, False): 1024, (160, True): 512, (160, False): 1024, (192, True): 1024,
                  (192, False): 1024}
+THREE_WARPGROUPS = {48, 64}  # head dims whose DENSE and CAUSAL query tiles take three consumers (``_warpgroups``)
 UNEQUAL_ROWS = 1.25  # SPARSE rows whose longest has this many times the mean blocks: one work item a program
 
 
@@ -168,7 +174,7 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_num_b
     longest rows first; SPARSE with LONGEST_FIRST: in the order ORDER (B * H * q tiles) lists): its (batch,
     head) bh, first query q_start, unmasked key tiles n_full, key tiles n_tiles and (SPARSE) the row tables'
     entries of its mask row."""
-    m_tiles = q_len // BLOCK_M
+    m_tiles = gl.cdiv(q_len, BLOCK_M)
     bh = item // m_tiles
     if MASK_KIND == 1:
         q_start = (m_tiles - 1 - item % m_tiles) * BLOCK_M
@@ -193,18 +199,20 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_num_b
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem,
-              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER,
-              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-              stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
-              heads, groups, q_len, kv_len, n_items, num_programs,
-              MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
+def _producer(loads, MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
               SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr,
               STAGES: gl.constexpr):
     """For each work item: Q's two halves once both consumers are done with the previous Q, then K and
     V of each key tile into the ring's next buffer once both consumers released its previous tile (K and V
-    apart with K_EARLY); with HEAD_DIM2, each with its second part (q2/k2/v2)."""
+    apart with K_EARLY); with HEAD_DIM2, each with its second part (q2/k2/v2). ``loads``: the kernel's
+    arguments the loads take (``_attn_fwd_gluon``)."""
+    (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready,
+     q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_qb, stride_qh,
+     stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_num_b, stride_num_h,
+     stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, groups, q_len, kv_len, n_items,
+     num_programs) = loads
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    WARPGROUPS: gl.constexpr = q_smem.type.shape[0]
     K_EARLY: gl.constexpr = STAGES < 3
     # bytes of a box of Q, K and V with its second part's (``_load_box``)
     Q_BYTES: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
@@ -215,17 +223,17 @@ def _producer(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem,
     for item in range(gl.program_id(0), n_items, num_programs):
         bh, q_start, n_full, n_tiles, full_idx, part_idx = _work_item(
             item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_num_b, stride_num_h, stride_num_m,
-            stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND, LONGEST_FIRST, 2 * HALF_M,
-            BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
+            stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND, LONGEST_FIRST,
+            WARPGROUPS * HALF_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
         b = bh // heads
         h = bh % heads
         q_row, q_col = row_view_coords(b, h, q_start, stride_qb, stride_qh, stride_qm)
         k_row, k_col = row_view_coords(b, h // groups, 0, stride_kb, stride_kh, stride_kn)
         v_row, v_col = row_view_coords(b, h // groups, 0, stride_vb, stride_vh, stride_vn)
         mbarrier.wait(q_empty, (i - 1) & 1, pred=i > 0)
-        mbarrier.expect(q_ready, 2 * Q_BYTES)
-        load_box(q_desc, q2_desc, q_row, q_col, q_ready, q_smem.index(0), q2_smem.index(0), HEAD_DIM2)
-        load_box(q_desc, q2_desc, q_row + HALF_M, q_col, q_ready, q_smem.index(1), q2_smem.index(1), HEAD_DIM2)
+        mbarrier.expect(q_ready, WARPGROUPS * Q_BYTES)
+        for w in gl.static_range(WARPGROUPS):
+            load_box(q_desc, q2_desc, q_row + w * HALF_M, q_col, q_ready, q_smem.index(w), q2_smem.index(w), HEAD_DIM2)
         for t in range(gl.maximum(n_tiles, 1)):  # a row of no tile loads a first one, which the consumers mask
             stage = loads % STAGES
             kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
@@ -247,18 +255,19 @@ def _producer(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem,
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS,
-              stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
-              heads, q_len, kv_len, n_items, num_programs, qk_scale,
-              WG: gl.constexpr, MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, IS_CAUSAL: gl.constexpr,
+def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, IS_CAUSAL: gl.constexpr,
               MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SCORE_ROW: gl.constexpr,
               BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """For each work item, rows [WG * 64, WG * 64 + 64) of its query tile: the online softmax over the key
     tiles the producer loads, then o (O seen as (rows, HEAD_DIM + HEAD_DIM2)) and the lse. With HEAD_DIM2, the
-    output's second part accumulates in acc2 (0.0 without)."""
+    output's second part accumulates in acc2 (0.0 without). ``shared``: the kernel's arguments the consumers take
+    (``_attn_fwd_gluon``)."""
+    (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h, stride_num_m, stride_idx_b,
+     stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale) = shared
     HALF_M: gl.constexpr = q_smem.type.shape[1]
+    WARPGROUPS: gl.constexpr = q_smem.type.shape[0]
     K_EARLY: gl.constexpr = STAGES < 3
     PV_GROUPS: gl.constexpr = 2 if HEAD_DIM2 > 0 else 1  # wgmma groups of a P V, which may stay in flight
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -273,7 +282,7 @@ def _consumer(q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empt
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     row_o2: gl.constexpr = gl.SliceLayout(1, o2_layout)
     MY_TURN: gl.constexpr = 8 + WG
-    THEIR_TURN: gl.constexpr = 9 - WG
+    THEIR_TURN: gl.constexpr = 8 + (WG + 1) % WARPGROUPS  # the next warpgroup's turn
     MAY_BE_EMPTY: gl.constexpr = MASK_KIND == 2 or SCORE_MOD is not None  # a score function may return -inf
     # the scale of what _scores returns: the products, or base-2 scores already scaled by the score function
     soft_scale = qk_scale
@@ -290,15 +299,15 @@ def _consumer(q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empt
     turn = n_items  # a value the named barriers pass along, which orders them among the products
     used = 0  # key tiles consumed so far: the ring's position
     i = 0  # work items so far: the phase of q_ready
-    # The turns alternate strictly over all items: warpgroup 1 lets warpgroup 0 go first once, and warpgroup
-    # 0 takes a last turn after the last item, so that no arrival can meet another of the same warpgroup
-    if WG == 1:
+    # The turns go round strictly over all items: the last warpgroup lets warpgroup 0 go first once, and
+    # warpgroup 0 takes a last turn after the last item, so that no arrival can meet another of the same warpgroup
+    if WG == WARPGROUPS - 1:
         turn = named_arrive(8, turn)
     for item in range(gl.program_id(0), n_items, num_programs):
         bh, q_start, n_full, n_tiles, full_idx, part_idx = _work_item(
             item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_num_b, stride_num_h, stride_num_m,
-            stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND, LONGEST_FIRST, 2 * HALF_M,
-            BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
+            stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND, LONGEST_FIRST,
+            WARPGROUPS * HALF_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
         n_loads = gl.maximum(n_tiles, 1)
         offs_m = q_start + rows_s
         b = bh // heads
@@ -388,20 +397,24 @@ def _consumer(q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empt
         if SCORE_ROW is not None:  # a row whose term is -inf (a query a -inf table pads) sees no key: o = 0
             l_o = gl.where(row == float("-inf"), float("inf"), l_o)
         o = acc / gl.convert_layout(l_o, row_o)[:, None]
+        # the rows of the item's tile within q_len: a tile of three warpgroups' rows may run past it (its rows
+        # past q_len read the next head's queries, or zeros past the tensor's end, and are not stored)
         out_row = bh * q_len + q_start
         out_rows = (out_row + rows_o).to(gl.int64)[:, None] * (HEAD_DIM + HEAD_DIM2)
-        gl.store(O + out_rows + cols[None, :], o.to(O.dtype.element_ty))
+        gl.store(O + out_rows + cols[None, :], o.to(O.dtype.element_ty), mask=(q_start + rows_o < q_len)[:, None])
         if HEAD_DIM2 > 0:
             o2 = acc2 / gl.convert_layout(l_o, row_o2)[:, None]
             cols2 = HEAD_DIM + gl.arange(0, HEAD_DIM2, layout=gl.SliceLayout(0, o2_layout))
-            out_rows2 = (out_row + WG * HALF_M + gl.arange(0, HALF_M, layout=row_o2)).to(gl.int64)[:, None]
-            gl.store(O + out_rows2 * (HEAD_DIM + HEAD_DIM2) + cols2[None, :], o2.to(O.dtype.element_ty))
+            rows_o2 = WG * HALF_M + gl.arange(0, HALF_M, layout=row_o2)
+            out_rows2 = (out_row + rows_o2).to(gl.int64)[:, None]
+            gl.store(O + out_rows2 * (HEAD_DIM + HEAD_DIM2) + cols2[None, :], o2.to(O.dtype.element_ty),
+                     mask=(q_start + rows_o2 < q_len)[:, None])
         lse = (m_i * soft_scale + gl.log2(l_i) + row) * 0.6931471805599453
         # the turn value joins the stores, so the named barriers are not dead code
-        gl.store(LSE + out_row + rows_s, lse + (turn * 0).to(gl.float32))
+        gl.store(LSE + out_row + rows_s, lse + (turn * 0).to(gl.float32), mask=offs_m < q_len)
         i += 1
     if WG == 0:
-        turn = named_sync(8, turn)  # warpgroup 1's last arrival, so that the barrier counts balance
+        turn = named_sync(8, turn)  # the last warpgroup's last arrival, so that the barrier counts balance
 
 
 @gluon.jit(do_not_specialize=[*ROW_LENGTH_ARGS, "n_items"])
@@ -414,18 +427,18 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
                     MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
                     SCORE_ROW: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
                     SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    STAGES: gl.constexpr, WARPGROUPS: gl.constexpr):
     """Work items program_id(0), program_id(0) + num_programs, ... of the n_items (batch, head, query tile)
     (``_work_item``). q/k/v_desc read Q, K, V as ``row_view`` matrices (rows of pitch stride_*m, element
     (b, h, s, 0) at row (b * stride_b + h * stride_h) // pitch + s and column (...) % pitch) in boxes of
     HEAD_DIM columns, q2/k2/v2_desc the HEAD_DIM2 columns after them (the same descriptors, unused, without a
     second part); O (B, H, q_len, HEAD_DIM + HEAD_DIM2) and LSE (B, H, q_len) are contiguous."""
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [WARPGROUPS, HALF_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     if HEAD_DIM2 > 0:
-        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [2, HALF_M, HEAD_DIM2], q2_desc.layout)
+        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [WARPGROUPS, HALF_M, HEAD_DIM2], q2_desc.layout)
         k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM2], k2_desc.layout)
         v2_smem = gl.allocate_shared_memory(v2_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM2], v2_desc.layout)
     else:  # no second part: its buffers are the first's, which nothing reads as theirs
@@ -439,36 +452,45 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
+    mbarrier.init(q_empty, count=WARPGROUPS)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=WARPGROUPS)
+        mbarrier.init(v_empty.index(i), count=WARPGROUPS)
 
-    # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h,
-                     stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items,
-                     num_programs, qk_scale, 0, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD,
-                     SCORE_KEYS, SCORE_ROW, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
-        (_consumer, (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h,
-                     stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items,
-                     num_programs, qk_scale, 1, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD,
-                     SCORE_KEYS, SCORE_ROW, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem,
-                     v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_qb, stride_qh, stride_qm,
-                     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_num_b, stride_num_h,
-                     stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, groups, q_len, kv_len, n_items,
-                     num_programs, MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2,
-                     STAGES)),
-    # registers a thread: the consumers' tiles take 240, the producer's loads 24. The producer is one warp, as
-    # FlashAttention-4's (whose other three exit): four spun on the same mbarriers, 8 % of the instructions
-    # issued, and took issue slots from the consumers (one warp: 0.99-1.05x on an H100, most at hd64)
-    ], [4, 1], [240, 24])
+    # the partitions' arguments but their constexprs (and the consumers' warpgroup), which are passed inline: a
+    # tuple variable holding them would lose their constness
+    shared = (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h, stride_num_m,
+              stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale)
+    loads = (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem,
+             q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER,
+             stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+             stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, groups, q_len,
+             kv_len, n_items, num_programs)
+    # registers a thread: two consumers' tiles take 240; of three, the first takes 168 and the others 160, what
+    # Triton leaves of the 64K (warps padded to whole warpgroups) with the producer's loads at 24. The producer is one warp, as FlashAttention-4's (whose other three exit): four spun on
+    # the same mbarriers, 8 % of the instructions issued, and took issue slots from the consumers (one warp:
+    # 0.99-1.05x on an H100, most at hd64)
+    if WARPGROUPS == 3:
+        gl.warp_specialize([
+            (_consumer, (shared, 0, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
+                         BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+            (_consumer, (shared, 1, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
+                         BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+            (_consumer, (shared, 2, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
+                         BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+            (_producer, (loads, MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
+        ], [4, 4, 1], [160, 160, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (shared, 0, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
+                         BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+            (_consumer, (shared, 1, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
+                         BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+            (_producer, (loads, MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
+        ], [4, 1], [240, 24])
 
 
 # ---------------------------------------------------------------------------------- when it applies
@@ -492,13 +514,13 @@ FORWARD_GLUON = Launcher(_attn_fwd_gluon)
 
 @functools.lru_cache(maxsize=None)
 def _constexprs(mask_kind: int, longest_first: bool, causal: bool, sparse_block: tuple[int, int], head_dim: int,
-                parts: tuple[int, int], mods: tuple) -> dict:
+                parts: tuple[int, int], mods: tuple, warpgroups: int) -> dict:
     mask_mod, score_mod, score_keys, score_row = mods
     first, second = parts
     return dict(MASK_KIND=mask_kind, LONGEST_FIRST=longest_first, IS_CAUSAL=causal, MASK_MOD=mask_mod,
                 SCORE_MOD=score_mod, SCORE_KEYS=score_keys, SCORE_ROW=score_row, BLOCK_N=KEY_TILE[head_dim],
                 SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=first, HEAD_DIM2=second,
-                STAGES=STAGES[head_dim], num_warps=4)
+                STAGES=STAGES[head_dim], WARPGROUPS=warpgroups, num_warps=4)
 
 
 def launch(plan, q, k, v, o, lse, mods: torch.Tensor, ahead: bool = False) -> bool:
@@ -534,7 +556,8 @@ def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
     if not parts[1]:
         descriptors *= 2
     tables, table_strides = plan.tables_of("kv")
-    n_items = plan.batch * plan.heads * (plan.q_len // BLOCK_M)
+    warpgroups = _warpgroups(plan, q.shape[3])
+    n_items = plan.batch * plan.heads * -(-plan.q_len // (warpgroups * HALF_M))
     order = _longest_first(plan)
     # CAUSAL, and SPARSE rows of unequal lengths: one work item a program, the longest rows first, the GPU handing
     # out the next as a program ends. Items dealt out in turn left programs of only long rows beside programs of
@@ -545,7 +568,17 @@ def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *table_strides, plan.heads, plan.groups,
              plan.q_len, plan.kv_len, n_items, programs, plan.qk_scale),
             _constexprs(KIND_CODES[plan.kind], order is not None, plan.causal, plan.sparse_block, q.shape[3],
-                        parts, (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row)))
+                        parts, (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row), warpgroups))
+
+
+def _warpgroups(plan, head_dim: int) -> int:
+    """The consumer warpgroups of a query tile: three at head dim 64 for DENSE and CAUSAL masks without functions,
+    else two. At hd64 a warpgroup's softmax of a 64 x 128 score tile takes longer than the other's two products
+    (a tile's exponentials take as long as its products on the tensor cores), so that with two each waits on its
+    own softmax; a third keeps the tensor cores fed. Not for SPARSE (it walks blocks of 128 query rows, which
+    192-row tiles do not divide) nor with a function (its registers spill at three warpgroups' 160 a thread)."""
+    three = plan.kind is not MaskKind.SPARSE and plan.score_mod is None and plan.mask_mod is None
+    return 3 if three and head_dim in THREE_WARPGROUPS else 2
 
 
 def _longest_first(plan) -> torch.Tensor | None:
