@@ -86,7 +86,8 @@ def _spy_launches(monkeypatch) -> dict[str, list[bool]]:
 def test_gpu_gluon_kernels_match_reference(pattern, shape, dim, dtype, monkeypatch):
     """o, lse and the gradients against the reference; GQA (4 query heads on 2 key/value heads); the Gluon
     forward and (head dims 48-192) backward launched for every call, head dims that are not powers of two in two
-    parts (SPARSEFLASH_GLUON=1)."""
+    parts (SPARSEFLASH_GLUON=1). At head dims 48 and 64 the dense and causal forward's query tiles of 192 rows (three
+    warpgroups) run past 256 queries (their rows past q_len are computed and not stored; 768 fill four)."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
@@ -214,9 +215,9 @@ def test_gpu_gluon_backward_of_query_tiles_of_64(pattern, dim, monkeypatch):
                          ids=["d64-fp16", "d80-fp16", "d128-bf16", "d160-bf16", "d256-bf16"])
 @pytest.mark.parametrize("pattern", [p for p in MASKS if p != "causal"])
 def test_gpu_gluon_forward_many_items_a_program(pattern, dim, dtype, monkeypatch):
-    """Three programs for the 2 x 4 x 6 query tiles (16 each): the K/V ring, Q's buffer and the turns of the
-    consumers carried from one work item to the next (CAUSAL masks launch one item a program); the Gluon forward
-    ran (no Triton forward standing in)."""
+    """Three programs for the 2 x 4 x 6 query tiles (16 each; 2 x 4 x 4 tiles of 192 rows at head dim 64): the K/V
+    ring, Q's buffer and the turns of the consumers carried from one work item to the next (CAUSAL masks launch one
+    item a program); the Gluon forward ran (no Triton forward standing in)."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
