@@ -21,6 +21,7 @@ from sparseflash.attention.triton.plan import LaunchPlan  # noqa: E402
 from sparseflash import masks  # noqa: E402
 from sparseflash.attention.score_mods import make_score_mod  # noqa: E402
 from sparseflash.masks import from_layout, make  # noqa: E402
+from sparseflash.masks.functions import trace  # noqa: E402
 from tests.attention import sm90_compile  # noqa: E402
 from tests.helpers import check_backend  # noqa: E402
 
@@ -215,9 +216,9 @@ def test_gpu_gluon_backward_of_query_tiles_of_64(pattern, dim, monkeypatch):
                          ids=["d64-fp16", "d80-fp16", "d128-bf16", "d160-bf16", "d256-bf16"])
 @pytest.mark.parametrize("pattern", [p for p in MASKS if p != "causal"])
 def test_gpu_gluon_forward_many_items_a_program(pattern, dim, dtype, monkeypatch):
-    """Three programs for the 2 x 4 x 6 query tiles (16 each; 2 x 4 x 4 tiles of 192 rows at head dim 64): the K/V
-    ring, Q's buffer and the turns of the consumers carried from one work item to the next (CAUSAL masks launch one
-    item a program); the Gluon forward ran (no Triton forward standing in)."""
+    """Three programs for the 2 x 4 x 6 query tiles (16 each; 2 x 4 x 4 of 192 rows at head dim 64, 10-11 each):
+    the K/V ring, Q's buffer and the turns of the consumers carried from one work item to the next (CAUSAL masks
+    launch one item a program); the Gluon forward ran (no Triton forward standing in)."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
@@ -356,33 +357,63 @@ def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
     else:
         mask = make("dense", q.shape[2], k.shape[2])
     flags = dict(has_key_lengths=case == "key-lengths", dropout=case == "dropout")
-    assert forward_gluon.applies(q, k, mask, 256, **flags, special_per_score=case == "special-per-score") is forward
+    assert forward_gluon.applies(q, k, mask, 256, **flags, special_per_score=case == "special-per-score",
+                                 functions=False) is forward
     assert backward_gluon.applies(q, k, mask, 256, **flags, trains_captures=case == "trained-captures") is backward
 
 
 def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
-    mask = make("dense", 256)
+    """"auto" takes the Gluon forward from the mean row keys of its table (AUTO_ROW_KEYS, or AUTO_ROW_KEYS_THREE where
+    three consumer warpgroups run: head dims 48 and 64, DENSE and CAUSAL masks without functions), "1" always, "0"
+    never."""
+    mask, causal = make("dense", 256), make("causal", 256)
     many, few = forward_gluon.AUTO_ROW_KEYS[128, False], forward_gluon.AUTO_ROW_KEYS[128, False] - 128
     monkeypatch.delenv("SPARSEFLASH_GLUON", raising=False)
-    assert forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False)
-    assert not forward_gluon.applies(*_plan_inputs(), mask, few, False, False, False)
-    threshold_64 = forward_gluon.AUTO_ROW_KEYS[64, False]  # each head dim its own
-    assert not forward_gluon.applies(*_plan_inputs(dim=64), mask, threshold_64 - 128, False, False, False)
-    assert forward_gluon.applies(*_plan_inputs(dim=64), mask, threshold_64, False, False, False)
-    causal = make("causal", 256)
-    assert forward_gluon.applies(*_plan_inputs(), causal, forward_gluon.AUTO_ROW_KEYS[128, True], False, False, False)
-    for (dim, is_causal), keys in forward_gluon.AUTO_ROW_KEYS.items():  # head dims in parts among them
-        pattern = causal if is_causal else mask
-        assert forward_gluon.applies(*_plan_inputs(dim=dim), pattern, keys, False, False, False), (dim, is_causal)
-        assert not forward_gluon.applies(*_plan_inputs(dim=dim), pattern, keys - 64, False, False, False)
+    for functions in (False, True):
+        for (dim, is_causal), keys in forward_gluon.AUTO_ROW_KEYS.items():  # head dims in parts among them
+            pattern = causal if is_causal else mask
+            if forward_gluon.warpgroups(pattern.kind, dim, functions) == 3:
+                keys = forward_gluon.AUTO_ROW_KEYS_THREE[dim, is_causal]
+            assert forward_gluon.applies(*_plan_inputs(dim=dim), pattern, keys, False, False, False, functions)
+            assert not forward_gluon.applies(*_plan_inputs(dim=dim), pattern, keys - 64, False, False, False,
+                                             functions), (dim, is_causal, functions)
+    # at hd64 three consumers (dense, no function) from fewer keys than two
+    assert forward_gluon.AUTO_ROW_KEYS_THREE[64, False] < forward_gluon.AUTO_ROW_KEYS[64, False]
+    keys_64 = forward_gluon.AUTO_ROW_KEYS_THREE[64, False]
+    assert forward_gluon.applies(*_plan_inputs(dim=64), mask, keys_64, False, False, False, False)
+    assert not forward_gluon.applies(*_plan_inputs(dim=64), mask, keys_64, False, False, False, True)
     assert set(forward_gluon.AUTO_ROW_KEYS) == {(dim, c) for dim in forward_gluon.KEY_TILE for c in (False, True)}
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
-    assert forward_gluon.applies(*_plan_inputs(), mask, few, False, False, False)
+    assert forward_gluon.applies(*_plan_inputs(), mask, few, False, False, False, False)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "0")
-    assert not forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False)
+    assert not forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False, False)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "yes")
     with pytest.raises(ValueError, match="SPARSEFLASH_GLUON must be auto, 0 or 1; got 'yes'"):
-        forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False)
+        forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False, False)
+
+
+@pytest.mark.parametrize("case, dim, q_len, consumers, items", [
+    ("dense", 64, 512, 3, 3), ("causal", 64, 384, 3, 2), ("dense", 48, 512, 3, 3), ("dense", 128, 512, 2, 4),
+    ("dense", 80, 512, 2, 4), ("random", 64, 512, 2, 4), ("alibi", 64, 512, 2, 4), ("window", 64, 512, 2, 4)])
+def test_the_gluon_forward_takes_three_consumers_at_head_dims_48_and_64(case, dim, q_len, consumers, items):
+    """The launch's consumer warpgroups (WARPGROUPS) and work items: three (192-row query tiles, the last running
+    past q_len where 192 does not divide it) for DENSE and CAUSAL masks without functions at head dims 48 and 64,
+    two (128 rows) for SPARSE masks, a score function or a mask_mod and at other head dims; items = batch x heads x
+    query tiles of a head."""
+    q = torch.randn(2, 4, q_len, dim, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, q_len, dim, dtype=torch.bfloat16)
+    graph = trace(make_score_mod("alibi", 4), "score_mod") if case == "alibi" else None
+    if case == "window":
+        mask = masks.from_mask_mod(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx < 100) & (kv_idx - q_idx < 100),
+                                   q_len, block=128)
+    else:
+        mask = make("causal" if case == "alibi" else case, q_len, **({"density": 0.5} if case == "random" else {}))
+    plan = LaunchPlan(q, k, mask, False, dim ** -0.5, graph)
+    grid, tensors, scalars, constexprs = forward_gluon._arguments(
+        plan, q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]), plan.mods_table(plan.captures(graph)))
+    assert constexprs["WARPGROUPS"] == consumers
+    n_items = scalars[-3]  # (..., q_len, kv_len, n_items, programs, qk_scale)
+    assert scalars[-5:-3] == (q_len, q_len) and n_items == 2 * 4 * items and grid[0] <= n_items
 
 
 def test_gluon_backward_auto_takes_rows_of_many_keys(monkeypatch):

@@ -11,7 +11,7 @@ a program, the GPU handing out the next as one ends. WARPGROUPS consumer warpgro
              ``empty`` ones (an arrival per consumer) that it may be refilled: ``v_empty`` once
              tile j's P V is done, and K's buffer with it unless K_EARLY, where ``k_empty`` frees it once
              tile j's scores are.
-  consumers  two (three at head dims 48 and 64, ``_warpgroups``) warpgroups of 64 query rows each. Each issues
+  consumers  two (three at head dims 48 and 64, ``warpgroups``) warpgroups of 64 query rows each. Each issues
              tile j's scores S_j = Q K_j^T and the previous tile's P_{j-1} V_{j-1} together, waits for S_j only
              and computes the softmax of tile j while P_{j-1} V_{j-1} still runs on the tensor cores (the
              overlap inside a warpgroup); they also take turns issuing their products (named barriers 8, 9 and
@@ -36,7 +36,7 @@ Constexpr flags:
                  branch sits between the softmax and the wait for PV_{j-1} (without one, ptxas hoists that
                  wait above the softmax): with 3 or more buffers K_{j+1} goes where tile j-2 was; with 2
                  (head dims 160 and 256, whose Q and 80 or 64 KiB a stage leave room for no third), K_EARLY.
-  WARPGROUPS     consumer warpgroups (``_warpgroups``), each 64 rows of the query tile.
+  WARPGROUPS     consumer warpgroups (``warpgroups``), each 64 rows of the query tile.
   K_EARLY        STAGES < 3: K's buffer of tile j is released as soon as S_j is computed, so that K_{j+1}
                  can load into tile j-1's while P_{j-1} V_{j-1} still reads V_{j-1}.
 
@@ -83,20 +83,22 @@ BLOCK_M = 2 * HALF_M
 # stages alike at 80 and 96
 KEY_TILE = {48: 128, 64: 128, 80: 128, 96: 128, 128: 128, 160: 128, 192: 64, 256: 64}
 STAGES = {48: 4, 64: 4, 80: 3, 96: 3, 128: 3, 160: 2, 192: 3, 256: 2}
-TILES = {dim: (BLOCK_M, keys) for dim, keys in KEY_TILE.items()}  # (query, key) tiles by head dim
+TILES = {dim: (BLOCK_M, keys) for dim, keys in KEY_TILE.items()}  # the lengths these divide, by head dim
 # "auto" takes it from this mean number of keys a query row walks, by head dim and whether the mask is
 # CAUSAL. On an H100 it ran 1.01-1.33x the Triton forward at or above them, 0.62-0.97x below (one item
 # a program: three warpgroups to start and a pipeline to fill for each); the Triton forward's CAUSAL at
 # head dim 128 is weaker (1.07x from 576 keys). At head dim 256 (64-key tiles, Triton's forward weaker there):
 # 1.11-1.32x from 320 keys, 0.99x at 192-256. Head dims in two parts, against the Triton forward's two parts:
 # 1.05-1.43x from 1,024 keys (160: 1.21x at 576 causal), 0.86-1.02x at 576 causal (48: 0.97x at 1,088 causal).
-# Head dim 64 with three consumers (H200): DENSE 1.14-1.22x from 2,048 keys, 1.01x at 1,024; CAUSAL 0.94x at
-# 2,048 keys on average (S=4096).
-AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, False): 2048, (256, True): 256,
+AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, False): 4096, (256, True): 256,
                  (256, False): 512, (48, True): 2048, (48, False): 1024, (80, True): 1024, (80, False): 1024,
                  (96, True): 1024, (96, False): 1024, (160, True): 512, (160, False): 1024, (192, True): 1024,
                  (192, False): 1024}
-THREE_WARPGROUPS = {48, 64}  # head dims whose DENSE and CAUSAL query tiles take three consumers (``_warpgroups``)
+# Head dims whose DENSE and CAUSAL query tiles without functions take three consumer warpgroups (``warpgroups``), and
+# "auto"'s thresholds for them, as AUTO_ROW_KEYS's. Head dim 64 (H200): DENSE 1.14-1.22x the Triton forward from
+# 2,048 keys, 1.01x at 1,024; CAUSAL 0.94x at 2,048 keys on average (S=4096). Head dim 48 keeps two's thresholds
+# (three ran its DENSE rows 1.16x as fast as two at 4,096 keys and more)
+AUTO_ROW_KEYS_THREE = {(64, True): 4096, (64, False): 2048, (48, True): 2048, (48, False): 1024}
 UNEQUAL_ROWS = 1.25  # SPARSE rows whose longest has this many times the mean blocks: one work item a program
 
 
@@ -199,18 +201,18 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_num_b
 
 
 @gluon.jit
-def _producer(loads, MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
+def _producer(load_args, MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
               SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr,
               STAGES: gl.constexpr):
-    """For each work item: Q's two halves once both consumers are done with the previous Q, then K and
-    V of each key tile into the ring's next buffer once both consumers released its previous tile (K and V
-    apart with K_EARLY); with HEAD_DIM2, each with its second part (q2/k2/v2). ``loads``: the kernel's
+    """For each work item: Q (a 64-row box per consumer) once every consumer is done with the previous Q, then K
+    and V of each key tile into the ring's next buffer once every consumer released its previous tile (K and V
+    apart with K_EARLY); with HEAD_DIM2, each with its second part (q2/k2/v2). ``load_args``: the kernel's
     arguments the loads take (``_attn_fwd_gluon``)."""
     (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready,
      q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_qb, stride_qh,
      stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_num_b, stride_num_h,
      stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, groups, q_len, kv_len, n_items,
-     num_programs) = loads
+     num_programs) = load_args
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     WARPGROUPS: gl.constexpr = q_smem.type.shape[0]
     K_EARLY: gl.constexpr = STAGES < 3
@@ -398,7 +400,8 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, LONGEST_FIRST: 
             l_o = gl.where(row == float("-inf"), float("inf"), l_o)
         o = acc / gl.convert_layout(l_o, row_o)[:, None]
         # the rows of the item's tile within q_len: a tile of three warpgroups' rows may run past it (its rows
-        # past q_len read the next head's queries, or zeros past the tensor's end, and are not stored)
+        # past q_len read whatever rows follow in memory, or TMA's zeros past the tensor's end, and are not stored;
+        # each row's softmax and products are its own)
         out_row = bh * q_len + q_start
         out_rows = (out_row + rows_o).to(gl.int64)[:, None] * (HEAD_DIM + HEAD_DIM2)
         gl.store(O + out_rows + cols[None, :], o.to(O.dtype.element_ty), mask=(q_start + rows_o < q_len)[:, None])
@@ -464,15 +467,17 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
     shared = (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, MODS, stride_num_b, stride_num_h, stride_num_m,
               stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale)
-    loads = (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem,
-             q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER,
-             stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-             stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, groups, q_len,
-             kv_len, n_items, num_programs)
-    # registers a thread: two consumers' tiles take 240; of three, the first takes 168 and the others 160, what
-    # Triton leaves of the 64K (warps padded to whole warpgroups) with the producer's loads at 24. The producer is one warp, as FlashAttention-4's (whose other three exit): four spun on
-    # the same mbarriers, 8 % of the instructions issued, and took issue slots from the consumers (one warp:
-    # 0.99-1.05x on an H100, most at hd64)
+    load_args = (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem,
+                 v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+                 ORDER, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                 stride_vn, stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads,
+                 groups, q_len, kv_len, n_items, num_programs)
+    # Registers a thread: two consumers' tiles take 240; of three, the first (Triton's default partition, given what
+    # the others leave of the 64K with the warps padded to whole warpgroups) 168 and the others 160 (168 each left it
+    # 152, too few for its products in flight: ptxas then serialized every product of the kernel). The producer's
+    # loads take 24. It is one warp, as FlashAttention-4's (whose other three exit): four spun on the same
+    # mbarriers, 8 % of the instructions issued, and took issue slots from the consumers (one warp: 0.99-1.05x on an
+    # H100, most at hd64). The partitions are written out for each number of consumers, their constexprs inline.
     if WARPGROUPS == 3:
         gl.warp_specialize([
             (_consumer, (shared, 0, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
@@ -481,7 +486,8 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
                          BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
             (_consumer, (shared, 2, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
                          BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
-            (_producer, (loads, MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
+            (_producer, (load_args, MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2,
+                         STAGES)),
         ], [4, 4, 1], [160, 160, 24])
     else:
         gl.warp_specialize([
@@ -489,23 +495,39 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
                          BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
             (_consumer, (shared, 1, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
                          BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
-            (_producer, (loads, MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
+            (_producer, (load_args, MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2,
+                         STAGES)),
         ], [4, 1], [240, 24])
 
 
 # ---------------------------------------------------------------------------------- when it applies
 def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_lengths: bool, dropout: bool,
-            special_per_score: bool) -> bool:
+            special_per_score: bool, functions: bool) -> bool:
     """Whether calls with these inputs and mask take this forward (on a GPU ``launch.gluon_hopper``
     admits): ``gluon_tools.takes`` them, the score function (if any) evaluates no exp, log, tanh or sqrt
     per score (``special_per_score``: one that is not separable; tanh soft-capping ran 0.72x the Triton
     forward at S=4096 on an H100, its exp and division beside the softmax's exp2 on the special-function
     units of warpgroups that take turns), and with "auto", rows of ``row_keys`` keys on average, at least
-    AUTO_ROW_KEYS's. The layout of each call's tensors is checked at launch. A plan keeps the answer:
-    SPARSEFLASH_GLUON set later changes the plans made after it."""
+    the threshold of the consumers it would run (AUTO_ROW_KEYS, or AUTO_ROW_KEYS_THREE for three: ``functions``
+    says whether a mask or score function comes with the mask). The layout of each call's tensors is checked at
+    launch. A plan keeps the answer: SPARSEFLASH_GLUON set later changes the plans made after it."""
+    dim = q.shape[3]
+    thresholds = AUTO_ROW_KEYS_THREE if warpgroups(mask.kind, dim, functions) == 3 else AUTO_ROW_KEYS
     return not special_per_score and gluon_tools.chosen(
-        q, k, mask, TILES, row_keys, AUTO_ROW_KEYS.get((q.shape[3], mask.kind is MaskKind.CAUSAL), math.inf),
-        has_key_lengths, dropout)
+        q, k, mask, TILES, row_keys, thresholds.get((dim, mask.kind is MaskKind.CAUSAL), math.inf), has_key_lengths,
+        dropout)
+
+
+def warpgroups(kind: MaskKind, head_dim: int, functions: bool) -> int:
+    """The consumer warpgroups of a query tile: three at head dims 48 and 64 (AUTO_ROW_KEYS_THREE) for DENSE and
+    CAUSAL masks without a mask or score function (``functions``), else two. At hd64 a warpgroup's softmax of a
+    64 x 128 score tile takes longer than the other's two products (a tile's exponentials take as long as its
+    products on the tensor cores), so that with two each waits on its own softmax; a third keeps the tensor cores
+    fed. Not for SPARSE (it walks blocks of 128 query rows, which 192-row tiles do not divide), with a function
+    (its registers spill at three warpgroups' 160 a thread) nor at head dims 80 and 96 (ptxas serializes the
+    products)."""
+    three = kind is not MaskKind.SPARSE and not functions and (head_dim, False) in AUTO_ROW_KEYS_THREE
+    return 3 if three else 2
 
 
 # ---------------------------------------------------------------------------------- launcher
@@ -556,8 +578,8 @@ def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
     if not parts[1]:
         descriptors *= 2
     tables, table_strides = plan.tables_of("kv")
-    warpgroups = _warpgroups(plan, q.shape[3])
-    n_items = plan.batch * plan.heads * -(-plan.q_len // (warpgroups * HALF_M))
+    consumers = warpgroups(plan.kind, q.shape[3], plan.functions)
+    n_items = plan.batch * plan.heads * math.ceil(plan.q_len / (consumers * HALF_M))
     order = _longest_first(plan)
     # CAUSAL, and SPARSE rows of unequal lengths: one work item a program, the longest rows first, the GPU handing
     # out the next as a program ends. Items dealt out in turn left programs of only long rows beside programs of
@@ -568,17 +590,8 @@ def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *table_strides, plan.heads, plan.groups,
              plan.q_len, plan.kv_len, n_items, programs, plan.qk_scale),
             _constexprs(KIND_CODES[plan.kind], order is not None, plan.causal, plan.sparse_block, q.shape[3],
-                        parts, (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row), warpgroups))
+                        parts, (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row), consumers))
 
-
-def _warpgroups(plan, head_dim: int) -> int:
-    """The consumer warpgroups of a query tile: three at head dim 64 for DENSE and CAUSAL masks without functions,
-    else two. At hd64 a warpgroup's softmax of a 64 x 128 score tile takes longer than the other's two products
-    (a tile's exponentials take as long as its products on the tensor cores), so that with two each waits on its
-    own softmax; a third keeps the tensor cores fed. Not for SPARSE (it walks blocks of 128 query rows, which
-    192-row tiles do not divide) nor with a function (its registers spill at three warpgroups' 160 a thread)."""
-    three = plan.kind is not MaskKind.SPARSE and plan.score_mod is None and plan.mask_mod is None
-    return 3 if three and head_dim in THREE_WARPGROUPS else 2
 
 
 def _longest_first(plan) -> torch.Tensor | None:

@@ -1,5 +1,5 @@
 """What the Gluon kernels for Hopper (forward_gluon.py, backward_gluon.py) share: TMA copies in the names
-Triton 3.6 and 3.9 give them, named barriers between two consumer warpgroups, TMA descriptors over the
+Triton 3.6 and 3.9 give them, named barriers between pairs of consumer warpgroups, TMA descriptors over the
 row views of (B, H, S, D) tensors, and the ``SPARSEFLASH_GLUON`` switch."""
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ def tma_reduce_add(desc, coord, src, _semantic=None):
 
 @gluon.jit
 def named_sync(barrier: gl.constexpr, x):
-    """``bar.sync barrier, 256``: wait until both consumer warpgroups reach ``barrier`` (one may
-    have arrived there with ``named_arrive``). Returns x, which orders it among x's uses."""
+    """``bar.sync barrier, 256``: wait until two consumer warpgroups reach ``barrier``, this one and another that
+    may have arrived there with ``named_arrive``. Returns x, which orders it among x's uses."""
     return gl.inline_asm_elementwise(f"bar.sync {barrier}, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
                                      is_pure=False, pack=1)
 
 
 @gluon.jit
 def named_arrive(barrier: gl.constexpr, x):
-    """``bar.arrive barrier, 256``: let the other consumer warpgroup's ``named_sync`` pass. Returns x."""
+    """``bar.arrive barrier, 256``: let the consumer warpgroup that syncs on ``barrier`` pass. Returns x."""
     return gl.inline_asm_elementwise(f"bar.arrive {barrier}, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
                                      is_pure=False, pack=1)
 

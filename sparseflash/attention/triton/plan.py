@@ -72,8 +72,8 @@ class LaunchPlan:
             q, k, mask, has_key_lengths, self.padded_dim)
         gluon_inputs = (q, k, mask, self.mean_row_keys, has_key_lengths, dropout)
         special_per_score = score_graph is not None and score_graph.uses_special_functions and not score_graph.separable
-        self.gluon_forward = gluon_hopper(q.device) and gluon_kernels("forward").applies(*gluon_inputs,
-                                                                                          special_per_score)
+        self.gluon_forward = gluon_hopper(q.device) and gluon_kernels("forward").applies(
+            *gluon_inputs, special_per_score, self.functions)
         self.gluon_backward = gluon_hopper(q.device) and gluon_kernels("backward").applies(
             *gluon_inputs, self.score_mod_grads is not None)
         score = "score-special" if score_graph is not None and score_graph.uses_special_functions else "score"
@@ -112,6 +112,7 @@ class LaunchPlan:
         self.score_keys = helpers.score_keys if helpers else None
         self.score_row = helpers.score_row if helpers else None
         self.score_mod_grads = helpers.score_mod_grads if helpers else None
+        self.functions = self.mask_mod is not None or self.score_mod is not None  # generated helpers to call
         # the table without captured tensors made with the plan (on the thread that keeps it out of graph pools)
         self._mods_tables: dict[tuple, torch.Tensor] = {(): codegen.mods_table([], [], self.placeholder.device)}
 
