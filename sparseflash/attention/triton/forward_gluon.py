@@ -477,7 +477,8 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
     # 152, too few for its products in flight: ptxas then serialized every product of the kernel). The producer's
     # loads take 24. It is one warp, as FlashAttention-4's (whose other three exit): four spun on the same
     # mbarriers, 8 % of the instructions issued, and took issue slots from the consumers (one warp: 0.99-1.05x on an
-    # H100, most at hd64). The partitions are written out for each number of consumers, their constexprs inline.
+    # H100, most at hd64). The partitions are written out for each number of consumers, their constexprs inline
+    # (Gluon's front end takes no list comprehension or list arithmetic here).
     if WARPGROUPS == 3:
         gl.warp_specialize([
             (_consumer, (shared, 0, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
