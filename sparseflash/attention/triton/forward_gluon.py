@@ -594,7 +594,6 @@ def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
                         parts, (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row), consumers))
 
 
-
 def _longest_first(plan) -> torch.Tensor | None:
     """For a SPARSE mask whose longest row of blocks is over UNEQUAL_ROWS times the mean: the query tiles of each
     (batch, head) from the longest row to the shortest (int32, B * H * q_len / BLOCK_M, contiguous: the tiles of
