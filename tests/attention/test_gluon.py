@@ -3,6 +3,7 @@ GPU (``pytest -m gpu``), their outputs and gradients against the reference."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -87,8 +88,8 @@ def _spy_launches(monkeypatch) -> dict[str, list[bool]]:
 def test_gpu_gluon_kernels_match_reference(pattern, shape, dim, dtype, monkeypatch):
     """o, lse and the gradients against the reference; GQA (4 query heads on 2 key/value heads); the Gluon
     forward and (head dims 48-192) backward launched for every call, head dims that are not powers of two in two
-    parts (SPARSEFLASH_GLUON=1). At head dims 48 and 64 the dense and causal forward's query tiles of 192 rows (three
-    warpgroups) run past 256 queries (their rows past q_len are computed and not stored; 768 fill four)."""
+    parts (SPARSEFLASH_GLUON=1). At head dims 48 and 64 the dense and causal forward takes three warpgroups' query
+    tiles of 192 rows at 768 queries, two at 256 (``forward_gluon.warpgroups``)."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
@@ -230,6 +231,30 @@ def test_gpu_gluon_forward_many_items_a_program(pattern, dim, dtype, monkeypatch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("pattern", ["dense", "causal"])
+@pytest.mark.parametrize("dim", [48, 64])
+def test_gpu_gluon_forward_three_consumers_past_q_len(dim, pattern, layout, monkeypatch):
+    """512 queries in three query tiles of 192 rows (three consumer warpgroups), the last one's 64 rows past q_len
+    computed from whatever rows follow in memory (the next head's, in (B, S, H, D) memory the next batch's, TMA's
+    zeros past the tensor's end) and not stored: o, lse and the gradients against the reference; GQA."""
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    shape = {"bhsd": (2, 4, 512, dim), "bshd": (2, 512, 4, dim)}[layout]
+    q, do = (torch.randn(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    k, v = (torch.randn(*shape[:-2], 2, dim, dtype=torch.bfloat16, device="cuda") if layout == "bshd" else
+            torch.randn(2, 2, 512, dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    if layout == "bshd":
+        q, k, v, do = (x.transpose(1, 2) for x in (q, k, v, do))
+    mask = MASKS[pattern](512, 512, 4)
+    assert forward_gluon.warpgroups(mask.kind, dim, False, 512) == 3
+    launched = _spy_launches(monkeypatch)
+    check_backend("triton", q, k, v, mask, do)
+    _assert_gluon_ran(launched, dim)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("pattern", ["dense", "blocks-of-64-keys"])
 def test_gpu_gluon_forward_odd_key_tiles_across_items(pattern, monkeypatch):
     """Head dim 256 (two K/V buffers, K released apart from V): 5 key tiles an item (SPARSE: 3 or none, blocks of
@@ -366,22 +391,24 @@ def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
     """"auto" takes the Gluon forward from the mean row keys of its table (AUTO_ROW_KEYS, or AUTO_ROW_KEYS_THREE where
     three consumer warpgroups run: head dims 48 and 64, DENSE and CAUSAL masks without functions), "1" always, "0"
     never."""
-    mask, causal = make("dense", 256), make("causal", 256)
+    mask = make("dense", 256)
     many, few = forward_gluon.AUTO_ROW_KEYS[128, False], forward_gluon.AUTO_ROW_KEYS[128, False] - 128
     monkeypatch.delenv("SPARSEFLASH_GLUON", raising=False)
-    for functions in (False, True):
+    for functions, q_len in itertools.product((False, True), (256, 384)):  # 384 queries: three 192-row tiles
+        inputs = {dim: _plan_inputs(q_len, q_len, dim) for dim in forward_gluon.KEY_TILE}
         for (dim, is_causal), keys in forward_gluon.AUTO_ROW_KEYS.items():  # head dims in parts among them
-            pattern = causal if is_causal else mask
-            if forward_gluon.warpgroups(pattern.kind, dim, functions) == 3:
+            pattern = make("causal" if is_causal else "dense", q_len)
+            if forward_gluon.warpgroups(pattern.kind, dim, functions, q_len) == 3:
                 keys = forward_gluon.AUTO_ROW_KEYS_THREE[dim, is_causal]
-            assert forward_gluon.applies(*_plan_inputs(dim=dim), pattern, keys, False, False, False, functions)
-            assert not forward_gluon.applies(*_plan_inputs(dim=dim), pattern, keys - 64, False, False, False,
-                                             functions), (dim, is_causal, functions)
-    # at hd64 three consumers (dense, no function) from fewer keys than two
+            assert forward_gluon.applies(*inputs[dim], pattern, keys, False, False, False, functions)
+            assert not forward_gluon.applies(*inputs[dim], pattern, keys - 64, False, False, False,
+                                             functions), (dim, is_causal, functions, q_len)
+    # at hd64 three consumers (dense, no function, 384 queries) from fewer keys than two
     assert forward_gluon.AUTO_ROW_KEYS_THREE[64, False] < forward_gluon.AUTO_ROW_KEYS[64, False]
-    keys_64 = forward_gluon.AUTO_ROW_KEYS_THREE[64, False]
-    assert forward_gluon.applies(*_plan_inputs(dim=64), mask, keys_64, False, False, False, False)
-    assert not forward_gluon.applies(*_plan_inputs(dim=64), mask, keys_64, False, False, False, True)
+    keys_64, dense_384 = forward_gluon.AUTO_ROW_KEYS_THREE[64, False], make("dense", 384)
+    assert forward_gluon.applies(*_plan_inputs(384, 384, 64), dense_384, keys_64, False, False, False, False)
+    assert not forward_gluon.applies(*_plan_inputs(384, 384, 64), dense_384, keys_64, False, False, False, True)
+    assert not forward_gluon.applies(*_plan_inputs(256, 256, 64), mask, keys_64, False, False, False, False)
     assert set(forward_gluon.AUTO_ROW_KEYS) == {(dim, c) for dim in forward_gluon.KEY_TILE for c in (False, True)}
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     assert forward_gluon.applies(*_plan_inputs(), mask, few, False, False, False, False)
@@ -393,13 +420,14 @@ def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
 
 
 @pytest.mark.parametrize("case, dim, q_len, consumers, items", [
-    ("dense", 64, 512, 3, 3), ("causal", 64, 384, 3, 2), ("dense", 48, 512, 3, 3), ("dense", 128, 512, 2, 4),
-    ("dense", 80, 512, 2, 4), ("random", 64, 512, 2, 4), ("alibi", 64, 512, 2, 4), ("window", 64, 512, 2, 4)])
+    ("dense", 64, 512, 3, 3), ("causal", 64, 384, 3, 2), ("dense", 48, 512, 3, 3), ("dense", 64, 4096, 3, 22),
+    ("dense", 64, 256, 2, 2), ("causal", 64, 640, 2, 5), ("dense", 128, 512, 2, 4), ("dense", 80, 512, 2, 4),
+    ("random", 64, 512, 2, 4), ("alibi", 64, 512, 2, 4), ("window", 64, 512, 2, 4)])
 def test_the_gluon_forward_takes_three_consumers_at_head_dims_48_and_64(case, dim, q_len, consumers, items):
     """The launch's consumer warpgroups (WARPGROUPS) and work items: three (192-row query tiles, the last running
-    past q_len where 192 does not divide it) for DENSE and CAUSAL masks without functions at head dims 48 and 64,
-    two (128 rows) for SPARSE masks, a score function or a mask_mod and at other head dims; items = batch x heads x
-    query tiles of a head."""
+    past q_len where 192 does not divide it) for DENSE and CAUSAL masks without functions at head dims 48 and 64
+    where that pads at most THREE_PADDING of the rows (not 256 or 640 queries: 384 and 768 rows), two (128 rows) for
+    SPARSE masks, a score function or a mask_mod and at other head dims; items = batch x heads x query tiles."""
     q = torch.randn(2, 4, q_len, dim, dtype=torch.bfloat16)
     k = torch.randn(2, 2, q_len, dim, dtype=torch.bfloat16)
     graph = trace(make_score_mod("alibi", 4), "score_mod") if case == "alibi" else None

@@ -99,6 +99,10 @@ AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, Fa
 # 2,048 keys, 1.01x at 1,024; CAUSAL 0.94x at 2,048 keys on average (S=4096). Head dim 48 keeps two's thresholds
 # (three ran its DENSE rows 1.16x as fast as two at 4,096 keys and more)
 AUTO_ROW_KEYS_THREE = {(64, True): 4096, (64, False): 2048, (48, True): 2048, (48, False): 1024}
+# The share of rows that three consumers' 192-row tiles may add past q_len (S=256: a half, S=1,024 an eighth, S=4,096
+# 1/64): a row took ~0.85x the time with three (hd64 dense, H200), so more padding than ~1/6 would cost more than the
+# third warpgroup saves; an eighth keeps a margin (at 1,024 queries three ran 0.99x the Triton forward's time)
+THREE_PADDING = 0.125
 UNEQUAL_ROWS = 1.25  # SPARSE rows whose longest has this many times the mean blocks: one work item a program
 
 
@@ -513,22 +517,24 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
     says whether a mask or score function comes with the mask). The layout of each call's tensors is checked at
     launch. A plan keeps the answer: SPARSEFLASH_GLUON set later changes the plans made after it."""
     dim = q.shape[3]
-    thresholds = AUTO_ROW_KEYS_THREE if warpgroups(mask.kind, dim, functions) == 3 else AUTO_ROW_KEYS
+    thresholds = AUTO_ROW_KEYS_THREE if warpgroups(mask.kind, dim, functions, q.shape[2]) == 3 else AUTO_ROW_KEYS
     return not special_per_score and gluon_tools.chosen(
         q, k, mask, TILES, row_keys, thresholds.get((dim, mask.kind is MaskKind.CAUSAL), math.inf), has_key_lengths,
         dropout)
 
 
-def warpgroups(kind: MaskKind, head_dim: int, functions: bool) -> int:
+def warpgroups(kind: MaskKind, head_dim: int, functions: bool, q_len: int) -> int:
     """The consumer warpgroups of a query tile: three at head dims 48 and 64 (AUTO_ROW_KEYS_THREE) for DENSE and
-    CAUSAL masks without a mask or score function (``functions``), else two. At hd64 a warpgroup's softmax of a
+    CAUSAL masks without a mask or score function (``functions``) where 192-row tiles add at most THREE_PADDING of
+    q_len's rows, else two. At hd64 a warpgroup's softmax of a
     64 x 128 score tile takes longer than the other's two products (a tile's exponentials take as long as its
     products on the tensor cores), so that with two each waits on its own softmax; a third keeps the tensor cores
     fed. Not for SPARSE (it walks blocks of 128 query rows, which 192-row tiles do not divide), with a function
     (its registers spill at three warpgroups' 160 a thread) nor at head dims 80 and 96 (ptxas serializes the
     products)."""
     three = kind is not MaskKind.SPARSE and not functions and (head_dim, False) in AUTO_ROW_KEYS_THREE
-    return 3 if three else 2
+    padded = math.ceil(q_len / (3 * HALF_M)) * 3 * HALF_M
+    return 3 if three and padded <= q_len * (1 + THREE_PADDING) else 2
 
 
 # ---------------------------------------------------------------------------------- launcher
@@ -579,7 +585,7 @@ def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
     if not parts[1]:
         descriptors *= 2
     tables, table_strides = plan.tables_of("kv")
-    consumers = warpgroups(plan.kind, q.shape[3], plan.functions)
+    consumers = warpgroups(plan.kind, q.shape[3], plan.functions, plan.q_len)
     n_items = plan.batch * plan.heads * math.ceil(plan.q_len / (consumers * HALF_M))
     order = _longest_first(plan)
     # CAUSAL, and SPARSE rows of unequal lengths: one work item a program, the longest rows first, the GPU handing
