@@ -112,9 +112,13 @@ class LaunchPlan:
         self.score_keys = helpers.score_keys if helpers else None
         self.score_row = helpers.score_row if helpers else None
         self.score_mod_grads = helpers.score_mod_grads if helpers else None
-        self.functions = self.mask_mod is not None or self.score_mod is not None  # generated helpers to call
         # the table without captured tensors made with the plan (on the thread that keeps it out of graph pools)
         self._mods_tables: dict[tuple, torch.Tensor] = {(): codegen.mods_table([], [], self.placeholder.device)}
+
+    @property
+    def functions(self) -> bool:
+        """Whether the kernels call a generated mask or score function (``_mods``)."""
+        return self.mask_mod is not None or self.score_mod is not None
 
     @staticmethod
     def _loads_per_score(mask: BlockMask, score_graph: Graph | None) -> bool:
