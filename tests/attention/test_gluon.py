@@ -421,12 +421,13 @@ def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
 
 @pytest.mark.parametrize("case, dim, q_len, consumers, items", [
     ("dense", 64, 512, 3, 3), ("causal", 64, 384, 3, 2), ("dense", 48, 512, 3, 3), ("dense", 64, 4096, 3, 22),
-    ("dense", 64, 256, 2, 2), ("causal", 64, 640, 2, 5), ("dense", 128, 512, 2, 4), ("dense", 80, 512, 2, 4),
+    ("dense", 64, 320, 3, 2), ("dense", 64, 256, 2, 2), ("causal", 64, 640, 2, 5), ("dense", 128, 512, 2, 4), ("dense", 80, 512, 2, 4),
     ("random", 64, 512, 2, 4), ("alibi", 64, 512, 2, 4), ("window", 64, 512, 2, 4)])
 def test_the_gluon_forward_takes_three_consumers_at_head_dims_48_and_64(case, dim, q_len, consumers, items):
     """The launch's consumer warpgroups (WARPGROUPS) and work items: three (192-row query tiles, the last running
     past q_len where 192 does not divide it) for DENSE and CAUSAL masks without functions at head dims 48 and 64
-    where that pads at most THREE_PADDING of the rows (not 256 or 640 queries: 384 and 768 rows), two (128 rows) for
+    where that computes at most THREE_PADDING more rows than 128-row tiles (320 queries: 384 rows either way; not 256
+    or 640 queries: 384 rows against 256, 768 against 640), two (128 rows) for
     SPARSE masks, a score function or a mask_mod and at other head dims; items = batch x heads x query tiles."""
     q = torch.randn(2, 4, q_len, dim, dtype=torch.bfloat16)
     k = torch.randn(2, 2, q_len, dim, dtype=torch.bfloat16)

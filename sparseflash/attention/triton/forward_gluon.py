@@ -99,9 +99,10 @@ AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, Fa
 # 2,048 keys, 1.01x at 1,024; CAUSAL 0.94x at 2,048 keys on average (S=4096). Head dim 48 keeps two's thresholds
 # (three ran its DENSE rows 1.16x as fast as two at 4,096 keys and more)
 AUTO_ROW_KEYS_THREE = {(64, True): 4096, (64, False): 2048, (48, True): 2048, (48, False): 1024}
-# The share of rows that three consumers' 192-row tiles may add past q_len (S=256: a half, S=1,024 an eighth, S=4,096
-# 1/64): a row took ~0.85x the time with three (hd64 dense, H200), so more padding than ~1/6 would cost more than the
-# third warpgroup saves; an eighth keeps a margin (at 1,024 queries three ran 0.99x the Triton forward's time)
+# How many more rows three consumers' 192-row tiles may compute than two's 128-row tiles, as a share of two's: a row
+# took ~0.85x the time with three (hd64 and hd48 dense, H200), and q_len 192-1,536 against 8,192 keys ran
+# three/two = 0.85 x that ratio of rows (256 queries, 384 rows against 256: 1.23x; 640, 768 against 640: 1.01x; 512,
+# 576 against 512: 0.96x; 320, 384 either way: 0.84x), so the break-even is ~1/6 and an eighth keeps a margin
 THREE_PADDING = 0.125
 UNEQUAL_ROWS = 1.25  # SPARSE rows whose longest has this many times the mean blocks: one work item a program
 
@@ -525,16 +526,16 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
 
 def warpgroups(kind: MaskKind, head_dim: int, functions: bool, q_len: int) -> int:
     """The consumer warpgroups of a query tile: three at head dims 48 and 64 (AUTO_ROW_KEYS_THREE) for DENSE and
-    CAUSAL masks without a mask or score function (``functions``) where 192-row tiles add at most THREE_PADDING of
-    q_len's rows, else two. At hd64 a warpgroup's softmax of a
+    CAUSAL masks without a mask or score function (``functions``) where 192-row tiles compute at most THREE_PADDING
+    more rows than two's 128-row tiles, else two. At hd64 a warpgroup's softmax of a
     64 x 128 score tile takes longer than the other's two products (a tile's exponentials take as long as its
     products on the tensor cores), so that with two each waits on its own softmax; a third keeps the tensor cores
     fed. Not for SPARSE (it walks blocks of 128 query rows, which 192-row tiles do not divide), with a function
     (its registers spill at three warpgroups' 160 a thread) nor at head dims 80 and 96 (ptxas serializes the
     products)."""
     three = kind is not MaskKind.SPARSE and not functions and (head_dim, False) in AUTO_ROW_KEYS_THREE
-    padded = math.ceil(q_len / (3 * HALF_M)) * 3 * HALF_M
-    return 3 if three and padded <= q_len * (1 + THREE_PADDING) else 2
+    rows_three, rows_two = (math.ceil(q_len / (n * HALF_M)) * n * HALF_M for n in (3, 2))
+    return 3 if three and rows_three <= rows_two * (1 + THREE_PADDING) else 2
 
 
 # ---------------------------------------------------------------------------------- launcher
