@@ -5,9 +5,9 @@ A program holds one 128-key tile of one (batch, key/value head): every key tile 
 (programs that stream the same queries run together, and share them in L2), within a head the longest
 CAUSAL columns first.
 It walks the query tiles (``BLOCK_M``: 64 rows at head dims 80-256, 128 at 48 and 64; FlashAttention-4's sizes at
-64 and 128) that see its keys, for each query head of its GQA group in turn. Two consumer warpgroups and a producer
-(head dims 160-256: a tile of 64 keys, the warpgroups splitting its columns, below):
-  producer   (one warp, a warpgroup for SPARSE; 24 registers a thread) loads K and V once (two 64-row
+64 and 128) that see its keys, for each query head of its GQA group in turn. Two consumer warpgroups, a producer
+and a dQ writer (head dims 160-256: a tile of 64 keys, the warpgroups splitting its columns, below):
+  producer   (one warp, two for SPARSE; 24 registers a thread) loads K and V once (two 64-row
              halves each; one box at 160-256), then Q_i, dO_i, lse2_i and delta_i of each query tile by
              TMA into a ring of STAGES buffers (``q_ready`` / ``q_empty`` mbarriers, two arrivals on
              ``q_empty``, one per consumer).
@@ -21,10 +21,14 @@ It walks the query tiles (``BLOCK_M``: 64 rows at head dims 80-256, 128 at 48 an
              of the 128 and every column (64 x 64 fp32, 32 registers a thread either way; a head dim in two
              parts: at 80 and 96 warpgroup 0 the first part's columns, 1 the second's, at 48 a tile a part
              of its 64 queries: ``_dq_descriptors``); then
-             dK_w += dS^T Q (dS^T from registers) runs while dQ_i goes to a staging buffer and is added
-             to an fp32 accumulator by TMA reduce-add. dS^T has two buffers: a warpgroup rewrites one
+             dK_w += dS^T Q (dS^T from registers) runs while dQ_i goes to one of the warpgroup's two
+             staging buffers (``dq_full`` / ``dq_empty``). dS^T has two buffers: a warpgroup rewrites one
              only after the barrier of the next tile, which the other passes only after its dQ product
              that read it.
+  dQ writer  (one warp, 24 registers) walks the program's query tiles as the consumers do and adds each
+             consumer's staged dQ tiles into an fp32 accumulator by TMA reduce-add (``_add_dq_tiles``),
+             giving a buffer back once TMA has read it: the consumers neither issue the adds nor wait for
+             their reads.
 dQ accumulates in fp32 (B, H, q_len, D), scaled and converted after the kernel; the adds land in any order,
 so under ``torch.use_deterministic_algorithms(True)`` the (deterministic) Triton backward runs instead.
 Keeping dK and dV (64 + 64 fp32 registers a thread at head dim 128) and the score tiles leaves no room to
@@ -87,8 +91,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.forward_persistent import row_view_rows
 from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, named_sync,
-                                                      ring_index, row_view, row_view_coords, tma_load, tma_reduce_add,
-                                                      walk_tile_start)
+                                                      ring_index, row_view, row_view_coords, thread_barrier, tma_load,
+                                                      tma_reduce_add, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import key_steps, modded_scores, row_term
@@ -263,7 +267,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
 
 @gluon.jit
 def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, ds_smem,
-              dq_smem, dq2_smem, kv_ready, q_ready, q_empty, dq_desc, dq2_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM,
+              dq_smem, dq2_smem, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM, FULL_IDX, PART_NUM,
               PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
               heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr, MASK_KIND: gl.constexpr,
               IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
@@ -271,7 +275,9 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
               HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end
     (DK, DV: (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous; with HEAD_DIM2 their second part's
-    columns in dk2 and dv2), and its part of each tile's dQ (``_dq_descriptors``), staged in dq_smem (and dq2_smem)."""
+    columns in dk2 and dv2), and its part of each tile's dQ (``_dq_descriptors``), staged for ``_dq_writer`` in the
+    two buffers of dq_smem (and dq2_smem) in turn, behind this warpgroup's pair of dq_full / dq_empty barriers
+    (WG * 2 + buffer)."""
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     HALF_N: gl.constexpr = BLOCK_N // 2
     PARTS: gl.constexpr = 2 if HEAD_DIM2 > 0 else 1  # wgmma groups of a product over the head dim
@@ -286,8 +292,8 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
     a2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv2_layout, k_width=2)
     # the warpgroup's dQ tiles (``_dq_descriptors``): the first at (DQ_ROW, DQ_COLUMN) of the query tile, of the keys'
     # columns dq_keys; with SECOND_DQ (query tiles of 128 rows, a head dim in two parts) the second part's beside it
-    DQ_TILE_ROWS: gl.constexpr = dq_smem.type.shape[0]
-    DQ_COLUMNS: gl.constexpr = dq_smem.type.shape[1]
+    DQ_TILE_ROWS: gl.constexpr = dq_smem.type.shape[1]
+    DQ_COLUMNS: gl.constexpr = dq_smem.type.shape[2]
     DQ_BY_ROWS: gl.constexpr = BLOCK_M == 2 * DQ_TILE_ROWS
     OWN_PART: gl.constexpr = not DQ_BY_ROWS and HEAD_DIM2 > 0 and WG == 1  # warpgroup 1 takes the second part
     SECOND_DQ: gl.constexpr = DQ_BY_ROWS and HEAD_DIM2 > 0
@@ -297,13 +303,11 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLUMNS, 16])
     dq2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, dq2_smem.type.shape[1], 16])
+                                                         instr_shape=[16, dq2_smem.type.shape[2], 16])
     if OWN_PART:
         dq_keys = k2_smem
-        my_dq_desc = dq2_desc
     else:
         dq_keys = k_smem.slice(DQ_COLUMN, DQ_COLUMNS, dim=1)
-        my_dq_desc = dq_desc
     bk, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
     my_keys = k_smem.slice(WG * HALF_N, HALF_N)
     my_values = v_smem.slice(WG * HALF_N, HALF_N)
@@ -337,7 +341,6 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
             b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
             SPARSE_BLOCK_N)
-        bh = b * heads + h
         keys = key_steps(b, h, (offs_kv - kv_first)[:, None], MODS, SCORE_KEYS)  # 0.0 without a linear key term
         for t in range(n_tiles):
             q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
@@ -388,15 +391,16 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
                 dq, dq2 = warpgroup_mma_wait(PARTS, deps=(dq, dq2))
             else:
                 dq = warpgroup_mma_wait(PARTS, deps=(dq,))
-            tma.store_wait(0)  # the last reduce has read the staging buffers
-            dq_smem.store(dq)
+            # staged for the writer once its reduce of the tile before the last has read the buffer; every thread's
+            # stores seen by TMA (the fence, then the warpgroup's barrier) before the arrival
+            buffer = n % 2
+            mbarrier.wait(dq_empty.index(WG * 2 + buffer), ((n // 2) - 1) & 1, pred=n >= 2)
+            dq_smem.index(buffer).store(dq)
             if SECOND_DQ:
-                dq2_smem.store(dq2)
+                dq2_smem.index(buffer).store(dq2)
             fence_async_shared()
-            dq_row = bh * q_len + q_start + DQ_ROW
-            tma_reduce_add(my_dq_desc, [dq_row, DQ_COLUMN], dq_smem)
-            if SECOND_DQ:
-                tma_reduce_add(dq2_desc, [dq_row, HEAD_DIM], dq2_smem)
+            thread_barrier()
+            mbarrier.arrive(dq_full.index(WG * 2 + buffer))
             if HEAD_DIM2 > 0:
                 dk, dk2, ds_op, ds2_op = warpgroup_mma_wait(0, deps=(dk, dk2, ds_op, ds2_op))
             else:
@@ -407,7 +411,58 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
     _store_dk_dv(DK, DV, dk, dv, first_row, 0, HEAD_DIM + HEAD_DIM2, scale, kv_layout)
     if HEAD_DIM2 > 0:
         _store_dk_dv(DK, DV, dk2, dv2, first_row, HEAD_DIM, HEAD_DIM + HEAD_DIM2, scale, kv2_layout)
-    tma.store_wait(0)
+
+
+@gluon.jit
+def _add_dq_tiles(dq_desc, dq2_desc, dq_smem, dq2_smem, row, WG: gl.constexpr, BLOCK_M: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr):
+    """Add warpgroup WG's staged dQ tile(s) (dq_smem, dq2_smem: one buffer each) of the query tile at accumulator row
+    ``row`` by TMA reduce-add (``_dq_descriptors``): with query tiles of two dQ tiles' rows, rows [64 WG, 64 WG + 64)
+    of the first part's columns and of the second's (dq2_desc, HEAD_DIM on); else with a second part, warpgroup 0 the
+    first part's columns and 1 the second's; else warpgroup WG half of the columns."""
+    DQ_TILE_ROWS: gl.constexpr = dq_smem.type.shape[0]
+    DQ_COLUMNS: gl.constexpr = dq_smem.type.shape[1]
+    if BLOCK_M == 2 * DQ_TILE_ROWS:
+        tma_reduce_add(dq_desc, [row + WG * DQ_TILE_ROWS, 0], dq_smem)
+        if HEAD_DIM2 > 0:
+            tma_reduce_add(dq2_desc, [row + WG * DQ_TILE_ROWS, HEAD_DIM], dq2_smem)
+    elif HEAD_DIM2 > 0 and WG == 1:
+        tma_reduce_add(dq2_desc, [row, HEAD_DIM], dq_smem)
+    else:
+        tma_reduce_add(dq_desc, [row, WG * DQ_COLUMNS], dq_smem)
+
+
+@gluon.jit
+def _dq_writer(dq_desc, dq2_desc, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, dq_full, dq_empty, FULL_NUM, FULL_IDX,
+               PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
+               heads, groups, q_len, kv_len, MASK_KIND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               HEAD_DIM2: gl.constexpr):
+    """The program's walk as the consumers take it: each query tile's dQ tiles, as each consumer staged them
+    (dq_full: dq_smemW / dq2_smemW's buffer n % 2 for tile n), added into the accumulator (``_add_dq_tiles``), and
+    the buffers given back (dq_empty) once TMA has read them."""
+    _, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
+    n = 0  # query tiles added so far
+    for g in range(groups):
+        h = kv_head * groups + g
+        first, n_full, n_tiles, full_idx, part_idx = _column(
+            b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
+            SPARSE_BLOCK_N)
+        for t in range(n_tiles):
+            q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            row = (b * heads + h) * q_len + q_start
+            buffer = n % 2
+            mbarrier.wait(dq_full.index(buffer), (n // 2) & 1)
+            _add_dq_tiles(dq_desc, dq2_desc, dq_smem0.index(buffer), dq2_smem0.index(buffer), row, 0, BLOCK_M,
+                          HEAD_DIM, HEAD_DIM2)
+            mbarrier.wait(dq_full.index(2 + buffer), (n // 2) & 1)
+            _add_dq_tiles(dq_desc, dq2_desc, dq_smem1.index(buffer), dq2_smem1.index(buffer), row, 1, BLOCK_M,
+                          HEAD_DIM, HEAD_DIM2)
+            tma.store_wait(0)
+            mbarrier.arrive(dq_empty.index(buffer))
+            mbarrier.arrive(dq_empty.index(2 + buffer))
+            n += 1
 
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
@@ -446,37 +501,46 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
         v2_smem = v_smem
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    # the consumers' dQ staging buffers (``_dq_descriptors``): warpgroup 1 stages the second part's tile where it
-    # takes that part (query tiles of 64 rows, a head dim in two parts), each stages both parts' at 128 rows
-    dq_smem0 = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+    # the consumers' dQ staging buffers (``_dq_descriptors``), two each, so that a consumer stages a tile's dQ while
+    # the writer's reduce of the last still reads the other: warpgroup 1 stages the second part's tile where it takes
+    # that part (query tiles of 64 rows, a head dim in two parts), each stages both parts' at 128 rows
+    DQ_BOX: gl.constexpr = dq_desc.block_type.shape
+    DQ2_BOX: gl.constexpr = dq2_desc.block_type.shape
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, [2, DQ_BOX[0], DQ_BOX[1]], dq_desc.layout)
     if BLOCK_M == 64 and HEAD_DIM2 > 0:
-        dq_smem1 = gl.allocate_shared_memory(gl.float32, dq2_desc.block_type.shape, dq2_desc.layout)
+        dq_smem1 = gl.allocate_shared_memory(gl.float32, [2, DQ2_BOX[0], DQ2_BOX[1]], dq2_desc.layout)
     else:
-        dq_smem1 = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+        dq_smem1 = gl.allocate_shared_memory(gl.float32, [2, DQ_BOX[0], DQ_BOX[1]], dq_desc.layout)
     if BLOCK_M == 128 and HEAD_DIM2 > 0:
-        dq2_smem0 = gl.allocate_shared_memory(gl.float32, dq2_desc.block_type.shape, dq2_desc.layout)
-        dq2_smem1 = gl.allocate_shared_memory(gl.float32, dq2_desc.block_type.shape, dq2_desc.layout)
+        dq2_smem0 = gl.allocate_shared_memory(gl.float32, [2, DQ2_BOX[0], DQ2_BOX[1]], dq2_desc.layout)
+        dq2_smem1 = gl.allocate_shared_memory(gl.float32, [2, DQ2_BOX[0], DQ2_BOX[1]], dq2_desc.layout)
     else:  # no second dQ tile: the first's buffers, unused as the second's
         dq2_smem0 = dq_smem0
         dq2_smem1 = dq_smem1
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # a staging buffer's: consumer WG's buffer i at WG * 2 + i
+    dq_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(4):
+        mbarrier.init(dq_full.index(i), count=1)  # the consumer's arrival
+        mbarrier.init(dq_empty.index(i), count=1)  # the writer's
 
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                     ds_smem, dq_smem0, dq2_smem0, kv_ready, q_ready, q_empty, dq_desc, dq2_desc, DK, DV, FULL_NUM,
+                     ds_smem, dq_smem0, dq2_smem0, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM,
                      FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
                      stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0, MASK_KIND,
                      IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM,
                      HEAD_DIM2, STAGES)),
         (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                     ds_smem, dq_smem1, dq2_smem1, kv_ready, q_ready, q_empty, dq_desc, dq2_desc, DK, DV, FULL_NUM,
+                     ds_smem, dq_smem1, dq2_smem1, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM,
                      FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
                      stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1, MASK_KIND,
                      IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM,
@@ -488,10 +552,17 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
                      stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n,
                      stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND,
                      BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, 0)),
-    # registers a thread: the consumers' dK, dV and tiles take 240, the producer's loads 24. The producer is one
-    # warp for DENSE and CAUSAL, as the forward's (dense rows 1.03x as fast from S=16384 on an H100, the rest
-    # within the spread), four for SPARSE, whose rows at head dim 64 ran 0.95-0.96x as fast with one
-    ], [4, 4 if MASK_KIND == 2 else 1], [240, 24])
+        (_dq_writer, (dq_desc, dq2_desc, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, dq_full, dq_empty, FULL_NUM,
+                      FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                      stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, MASK_KIND, BLOCK_M, BLOCK_N,
+                      SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2)),
+    # registers a thread: the consumers' dK, dV and tiles take 240, the producer's loads and the dQ writer's adds 24.
+    # The producer is one warp for DENSE and CAUSAL, as the forward's (dense rows 1.03x as fast from S=16384 on an
+    # H100, the rest within the spread), two for SPARSE, whose rows at head dim 64 ran 0.95-0.96x as fast with one
+    # (H100). Four, as before the writer, would pad the kernel to four warpgroups and leave the first consumer 224
+    # registers (its spills at head dim 64 with a mask function: 1,436 bytes, against 1,192 with two); two ran the
+    # random 25 % rows 0.95-1.00x the time of four without the writer (H200)
+    ], [4, 2 if MASK_KIND == 2 else 1, 1], [240, 24, 24])
 
 
 @gluon.jit

@@ -20,6 +20,8 @@ from sparseflash.masks import MaskKind
 
 # Triton 3.9 renamed Triton 3.6's TMA load (and removed the old name)
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# and its barrier of a partition's threads (bar.sync of its warps)
+thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @builtin
