@@ -113,7 +113,8 @@ KEY_TILE = {dim: 64 if dim in WIDE else 128 for dim in BLOCK_M}  # keys a progra
 TILES = {dim: (rows, KEY_TILE[dim]) for dim, rows in BLOCK_M.items()}  # (query, key) tiles by head dim
 KV_BOX_ROWS = 64  # keys of a K or V box: one a program at 160-256, two of 128
 # Q/dO buffers: with the dS^T and dQ staging buffers they fill shared memory at 64, 128 and 192 (226-231 KB); at 80
-# and 96 (137-157 KB) three ran 0.90-1.05x as long as two on an H100, no better on the whole
+# and 96 (157-182 KB; 137-157 with one dQ staging buffer a consumer, when this was measured) three ran 0.90-1.05x
+# as long as two on an H100, no better on the whole
 STAGES = 2
 # "auto" takes it from this mean number of keys a query row walks, by head dim. On an H100 it ran 1.04-1.28x the
 # Triton backward at or above it at head dims 64 and 128, 0.84-1.04x below (docs/results/h100_gluon_backward);
