@@ -181,6 +181,38 @@ def test_gpu_gluon_kernels_with_functions_match_reference(case, dim, dtype, monk
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dim, dtype", [(48, torch.bfloat16), (64, torch.float16), (80, torch.bfloat16),
+                                        (96, torch.float16), (128, torch.bfloat16), (192, torch.bfloat16),
+                                        (256, torch.bfloat16)],
+                         ids=["d48-bf16", "d64-fp16", "d80-bf16", "d96-fp16", "d128-bf16", "d192-bf16", "d256-bf16"])
+@pytest.mark.parametrize("case", ["window", "documents-and-alibi", "empty-rows"])
+def test_gpu_the_triton_forward_standing_in_matches_reference(case, dim, dtype, monkeypatch):
+    """The Triton forward with the config it stands in with for the Gluon forward while that compiles
+    (``forward.stand_in_config``: 8 warps on 128-row tiles), made to stand in on every call the Gluon forward
+    takes (lengths its tiles divide), with mask and score functions, 1,024 tokens, GQA, (B, S, H, D) memory,
+    against the reference: o, lse and the gradients of the backward that reads its lse."""
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    stood_in = []
+
+    def stand_in(plan, *args):
+        plan.per_layout.setdefault("forward_stand_in", {})
+        stood_in.append(forward.stand_in_config(plan.config_key))
+        return stood_in[-1]
+
+    monkeypatch.setattr(forward, "_triton_stand_in", stand_in)
+    seq_len, heads = 1024, 4
+    q, k, v, do = (torch.randn(2, seq_len, n, dim, dtype=dtype, device="cuda").transpose(1, 2)
+                   for n in (heads, 2, 2, heads))
+    mask, score_mod = _with_functions(case, seq_len, heads)
+    got = check_backend("triton", q, k, v, mask, do, score_mod=score_mod)
+    if case == "empty-rows":
+        assert torch.all(got.o[:, :, 130:300] == 0)
+    assert stood_in and all(cfg.num_warps * forward.WARPGROUP_ROWS >= 4 * cfg.block_m for cfg in stood_in), stood_in
+
+
+@pytest.mark.gpu
 def test_gpu_gluon_alibi_keeps_precision_far_along_the_sequence(monkeypatch):
     """ALiBi at 16,384 tokens: its key term reaches slope * 16,384; the Gluon kernels take the scores at a query
     of each tile (``codegen.py``), so the lse stays within its fp32 bound against the reference."""

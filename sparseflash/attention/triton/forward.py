@@ -45,7 +45,7 @@ from sparseflash.attention.triton.launch import (STAND_IN_FROM_CPUS, Launcher, S
 from sparseflash.attention.triton.plan import LaunchPlan, gluon_kernels
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_head_parts, load_seed,
                                                 row_tile_ranges, second_part_columns, store_head_parts)
-from sparseflash.attention.triton.tuning import KernelConfig, candidates, planned, run_tuned
+from sparseflash.attention.triton.tuning import ConfigKey, KernelConfig, candidates, planned, run_tuned
 
 
 @triton.jit(do_not_specialize=[*ROW_LENGTH_ARGS, *DROPOUT_ARGS])
@@ -170,9 +170,7 @@ def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, 
     if gluon is not None and gluon.launch(plan, q, k, v, o, lse, mods, ahead=True):
         if usable_cpus() < STAND_IN_FROM_CPUS or not gluon.compiling(plan, q, k, v, o, lse, mods):
             return
-        # the stand-in takes the first config of the kernel that is not persistent, whose warp specialisation
-        # compiles in ~1.5x the time (a window + score function at head dim 128: 1.84 against 1.27 s on a CPU)
-        cfg = candidates("forward", dataclasses.replace(plan.config_key, persistent=""))[0]
+        cfg = stand_in_config(plan.config_key)
         _launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, plan.dropout_args(None, ahead=True), ahead=True)
         plan.per_layout.setdefault("forward_stand_in", {})["stand_in"] = cfg
         return
@@ -180,6 +178,20 @@ def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, 
     cfg = planned(name, plan.config_key)
     if cfg is not None:
         launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, plan.dropout_args(None, ahead=True), ahead=True)
+
+
+WARPGROUP_ROWS = 64  # query rows of a Hopper warpgroup's product (wgmma's m64)
+
+
+def stand_in_config(key: ConfigKey) -> KernelConfig:
+    """The config of the Triton forward where it stands in for the Gluon forward (it runs a few calls; its compile
+    is what the first call waits for): the first candidate that is not persistent (the persistent forward's warp
+    specialisation compiles in ~1.5x the time: a window + score function at head dim 128, 1.84 against 1.27 s for
+    sm_90a on a CPU), on a warpgroup for each 64 rows of its tile. One warpgroup holding 128 rows issues two
+    products for each of the tile's: 128 x 64 tiles on 4 warps compiled in 1.1-1.7x the time of 8 warps (a window
+    + score function at head dims 48-96; docs/kernels.md, "The first call")."""
+    cfg = candidates("forward", dataclasses.replace(key, persistent=""))[0]
+    return dataclasses.replace(cfg, num_warps=max(cfg.num_warps, cfg.block_m // WARPGROUP_ROWS * 4))
 
 
 def _triton_stand_in(plan: LaunchPlan, q, k, v, o, lse, mods) -> KernelConfig | None:
