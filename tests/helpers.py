@@ -19,6 +19,8 @@ call with dropout (``SeededDropout``) is judged against the reference with the d
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -292,3 +294,11 @@ def assert_dkdv_query_rows(launched) -> None:
     they held keys."""
     configs = [entry.config for entry in launched if entry.kernel in ("dkdv", "backward")]
     assert configs and all(cfg.block_n > cfg.block_m for cfg in configs), f"dK/dV configs {configs}"
+
+
+def module_from_file(path: Path, name: str):
+    """The Python file at ``path`` (a script, not a package module) imported as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

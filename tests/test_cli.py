@@ -2,7 +2,6 @@
 bug keeps its traceback), a failed run leaves no empty run directory, console lines reach the
 job's log file, a bench that timed nothing fails, and the bench defaults to its CPU preset on a CPU."""
 
-import importlib.util
 import logging
 import os
 import subprocess
@@ -15,6 +14,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
 from sparseflash import cli, masks
+from tests.helpers import module_from_file
 from tests.test_train import ROOT, SMALL_LISTOPS, TINY, read_jsonl
 
 
@@ -104,10 +104,7 @@ def test_bench_that_times_nothing_fails_without_plots(tmp_path):
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_entry", ROOT / "experiments" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_from_file(ROOT / "experiments" / "bench.py", "bench_entry")
 
 
 def test_bench_on_a_cpu_defaults_to_the_cpu_preset(tmp_path, monkeypatch):

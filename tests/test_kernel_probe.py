@@ -4,7 +4,6 @@ The timing itself needs a GPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -15,16 +14,14 @@ pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="
 import sparseflash  # noqa: E402
 from sparseflash.attention.triton import backward_gluon  # noqa: E402
 from sparseflash.attention.triton.plan import gluon_kernels  # noqa: E402
+from tests.helpers import module_from_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("kernel_probe", ROOT / "scripts" / "kernel_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_from_file(ROOT / "scripts" / "kernel_probe.py", "kernel_probe")
 
 
 def test_a_variant_is_what_the_launches_find_inside_its_context(probe, tmp_path):
