@@ -19,6 +19,7 @@ from sparseflash.attention.triton import backward, backward_gluon, forward, forw
 from sparseflash.attention.triton.forward_persistent import row_view_rows  # noqa: E402
 from sparseflash.attention.triton.launch import Launcher, Standin, gluon_hopper  # noqa: E402
 from sparseflash.attention.triton.plan import LaunchPlan  # noqa: E402
+from sparseflash.attention.triton.tuning import fit  # noqa: E402
 from sparseflash import masks  # noqa: E402
 from sparseflash.attention.score_mods import make_score_mod  # noqa: E402
 from sparseflash.masks import from_layout, make  # noqa: E402
@@ -210,6 +211,35 @@ def test_gpu_the_triton_forward_standing_in_matches_reference(case, dim, dtype, 
     if case == "empty-rows":
         assert torch.all(got.o[:, :, 130:300] == 0)
     assert stood_in and all(cfg.num_warps * forward.WARPGROUP_ROWS >= 4 * cfg.block_m for cfg in stood_in), stood_in
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim, dtype", [(48, torch.bfloat16), (64, torch.float16), (96, torch.bfloat16),
+                                        (128, torch.float16), (192, torch.bfloat16)],
+                         ids=["d48-bf16", "d64-fp16", "d96-bf16", "d128-fp16", "d192-bf16"])
+@pytest.mark.parametrize("case", ["window", "documents-and-alibi", "empty-rows"])
+def test_gpu_the_triton_backward_standing_in_matches_reference(case, dim, dtype, monkeypatch):
+    """The Triton backward's halves with the configs they stand in with for the Gluon backward while that
+    compiles (``backward.GLUON_STAND_IN`` below 256 columns), made to stand in on every backward (the Gluon
+    backward's compile ahead never ends), with mask and score functions, 1,024 tokens, GQA, (B, S, H, D)
+    memory, against the reference."""
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    monkeypatch.setattr(backward, "usable_cpus", lambda: backward.STAND_IN_FROM_CPUS)
+    monkeypatch.setattr(backward_gluon, "compile_ahead", lambda *args: True)
+    monkeypatch.setattr(backward_gluon, "compiling", lambda *args: True)
+    seq_len, heads = 1024, 4
+    q, k, v, do = (torch.randn(2, seq_len, n, dim, dtype=dtype, device="cuda").transpose(1, 2)
+                   for n in (heads, 2, 2, heads))
+    mask, score_mod = _with_functions(case, seq_len, heads)
+    check_backend("triton", q, k, v, mask, do, score_mod=score_mod)
+    # (the plans of the calls, kept on the mask: ``LaunchPlan.of``)
+    stood_in = {plan: plan.per_layout["gluon_backward_stand_in"]["stand_in"] for plan in mask.derived["triton"].values()
+                if "stand_in" in plan.per_layout.get("gluon_backward_stand_in", {})}
+    assert stood_in and all(cfg == fit(kernel, backward.GLUON_STAND_IN, plan.backward_key)
+                            for plan, halves in stood_in.items()
+                            for (cfg, _), (kernel, _) in zip(halves, backward.SPLIT)), stood_in
 
 
 @pytest.mark.gpu
