@@ -15,19 +15,18 @@ and a dQ writer (head dims 160-256: a tile of 64 keys, the warpgroups splitting 
              in FlashAttention-4's order:
              S^T = K_w Q^T and dP^T = V_w dO^T (issued together, S^T waited first);
              P^T = exp2(S^T * qk_scale - lse2) under dP^T; dS^T = P^T (dP^T - delta) to shared memory;
-             dV_w += P^T dO (P^T from registers) issued; dK_w += dS^T Q (dS^T from registers).
-             Warpgroup 0 computes all of dQ_i = dS K, as FlashAttention-4's dQ_single_wg: once warpgroup 1
-             says its half of dS^T is in shared memory (``ds_full``), its two dQ tiles (``_issue_dq``), one
-             after the other: at head dim 128 columns [0, D/2) and [D/2, D) of the 64 queries, at 64 queries
-             [0, 64) and [64, 128) of the 128 and every column (64 x 64 fp32, 32 registers a thread either
-             way; a head dim in two parts: at 80 and 96 the first part's columns, then the second's, at 48
-             a tile a part of 64 queries: ``_dq_descriptors``), the first staged under dK's product, each
-             in one of the two staging buffers of its tile (``dq_full`` / ``dq_empty``). No barrier holds
-             the warpgroups in step: warpgroup 1 runs ahead, so that their exponentials do not coincide.
-             dS^T has two buffers: warpgroup 1 rewrites one once warpgroup 0's dQ products of two tiles
-             before have read it (``ds_free``).
+             dV_w += P^T dO (P^T from registers) issued; the two warpgroups meet (named barrier 10) once
+             both halves of dS^T are in shared memory; warpgroup w computes its part of dQ_i = dS K: at
+             head dim 128 columns [w D/2, (w + 1) D/2) of the 64 queries, at 64 queries [64 w, 64 w + 64)
+             of the 128 and every column (64 x 64 fp32, 32 registers a thread either way; a head dim in two
+             parts: at 80 and 96 warpgroup 0 the first part's columns, 1 the second's, at 48 a tile a part
+             of its 64 queries: ``_dq_descriptors``); then
+             dK_w += dS^T Q (dS^T from registers) runs while dQ_i goes to one of the warpgroup's two
+             staging buffers (``dq_full`` / ``dq_empty``). dS^T has two buffers: a warpgroup rewrites one
+             only after the barrier of the next tile, which the other passes only after its dQ product
+             that read it.
   dQ writer  (one warp, 24 registers) walks the program's query tiles as the consumers do and adds each
-             staged dQ tile into an fp32 accumulator by TMA reduce-add (``_add_dq_tiles``),
+             consumer's staged dQ tiles into an fp32 accumulator by TMA reduce-add (``_add_dq_tiles``),
              giving a buffer back once TMA has read it: the consumers neither issue the adds nor wait for
              their reads.
 dQ accumulates in fp32 (B, H, q_len, D), scaled and converted after the kernel; the adds land in any order,
@@ -268,66 +267,18 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
 
 
 @gluon.jit
-def _issue_dq(ds_tile, k_smem, k2_smem, dq_smem, dq2_smem, J: gl.constexpr, HEAD_DIM: gl.constexpr,
-              HEAD_DIM2: gl.constexpr):
-    """Issue dQ tile(s) J of the query tile (``_dq_descriptors``; dq_smem, dq2_smem: a staging buffer of J's, for its
-    shapes) from dS^T (ds_tile: keys x queries in shared memory) and K: with query tiles of two dQ tiles' rows, rows
-    [64 J, 64 J + 64) of the first part's columns (and of the second's: one wgmma group more); else with a second
-    part, J 0 the first part's columns and J 1 the second's; else half J of the columns. Returns (dq, dq2), dq2 0.0
-    where J has no second tile."""
-    BLOCK_M: gl.constexpr = ds_tile.type.shape[1]
-    DQ_TILE_ROWS: gl.constexpr = dq_smem.type.shape[0]
-    DQ_COLUMNS: gl.constexpr = dq_smem.type.shape[1]
-    DQ_BY_ROWS: gl.constexpr = BLOCK_M == 2 * DQ_TILE_ROWS
-    OWN_PART: gl.constexpr = not DQ_BY_ROWS and HEAD_DIM2 > 0 and J == 1  # J 1 takes the second part
-    DQ_ROW: gl.constexpr = J * DQ_TILE_ROWS if DQ_BY_ROWS else 0
-    DQ_COLUMN: gl.constexpr = 0 if DQ_BY_ROWS else J * (HEAD_DIM if HEAD_DIM2 > 0 else DQ_COLUMNS)
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_COLUMNS, 16])
-    if OWN_PART:
-        keys = k2_smem
-    else:
-        keys = k_smem.slice(DQ_COLUMN, DQ_COLUMNS, dim=1)
-    ds_rows = ds_tile.slice(DQ_ROW, DQ_TILE_ROWS, dim=1).permute((1, 0))
-    dq = warpgroup_mma(ds_rows, keys, gl.zeros([DQ_TILE_ROWS, DQ_COLUMNS], gl.float32, dq_layout), use_acc=False,
-                       is_async=True)
-    dq2 = 0.0
-    if DQ_BY_ROWS and HEAD_DIM2 > 0:
-        DQ2_COLUMNS: gl.constexpr = dq2_smem.type.shape[1]
-        dq2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, DQ2_COLUMNS, 16])
-        dq2 = warpgroup_mma(ds_rows, k2_smem, gl.zeros([DQ_TILE_ROWS, DQ2_COLUMNS], gl.float32, dq2_layout),
-                            use_acc=False, is_async=True)
-    return dq, dq2
-
-
-@gluon.jit
-def _stage_dq(dq, dq2, dq_smem, dq2_smem, dq_empty, n, J: gl.constexpr, SECOND_DQ: gl.constexpr):
-    """Store dQ tile(s) J of query tile n into buffer n % 2 of their staging buffers once the writer gave it back
-    (``dq_empty`` J * 2 + buffer: its reduce of tile n - 2 has read it)."""
-    buffer = n % 2
-    mbarrier.wait(dq_empty.index(J * 2 + buffer), ((n // 2) - 1) & 1, pred=n >= 2)
-    dq_smem.index(buffer).store(dq)
-    if SECOND_DQ:
-        dq2_smem.index(buffer).store(dq2)
-
-
-@gluon.jit
 def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, ds_smem,
-              dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, kv_ready, q_ready, q_empty, ds_full, ds_free, dq_full,
-              dq_empty, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h,
-              stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale,
-              WG: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
-              SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
+              dq_smem, dq2_smem, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM, FULL_IDX, PART_NUM,
+              PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
+              heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr, MASK_KIND: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
+              BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end
     (DK, DV: (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous; with HEAD_DIM2 their second part's
-    columns in dk2 and dv2), and its half of each tile's dS^T, in buffer n % 2 of ds_smem for tile n. Warpgroup 1
-    stores its half once warpgroup 0's dQ products of tile n - 2 have read the buffer (``ds_free``) and says so
-    (``ds_full``); warpgroup 0 then computes every dQ tile of the query tile (``_issue_dq``: both warpgroups' shares
-    of the work, as FlashAttention-4's dQ_single_wg) and stages tile(s) J in dq_smemJ (and dq2_smemJ) for
-    ``_dq_writer``, behind the pair of dq_full / dq_empty barriers J * 2 + buffer. No barrier holds warpgroup 1 to
-    warpgroup 0's step: it runs ahead, and the two warpgroups' exponentials stop coinciding."""
+    columns in dk2 and dv2), and its part of each tile's dQ (``_dq_descriptors``), staged for ``_dq_writer`` in the
+    two buffers of dq_smem (and dq2_smem) in turn, behind this warpgroup's pair of dq_full / dq_empty barriers
+    (WG * 2 + buffer)."""
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     HALF_N: gl.constexpr = BLOCK_N // 2
     PARTS: gl.constexpr = 2 if HEAD_DIM2 > 0 else 1  # wgmma groups of a product over the head dim
@@ -340,8 +291,24 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
                                                          instr_shape=[16, HEAD_DIM2 if HEAD_DIM2 > 0 else 16, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     a2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv2_layout, k_width=2)
-    SECOND_DQ: gl.constexpr = BLOCK_M == 2 * dq_smem0.type.shape[1] and HEAD_DIM2 > 0  # a second dQ tile a J
-    DQ_GROUPS: gl.constexpr = 2 if SECOND_DQ else 1  # wgmma groups of a dQ tile set's products
+    # the warpgroup's dQ tiles (``_dq_descriptors``): the first at (DQ_ROW, DQ_COLUMN) of the query tile, of the keys'
+    # columns dq_keys; with SECOND_DQ (query tiles of 128 rows, a head dim in two parts) the second part's beside it
+    DQ_TILE_ROWS: gl.constexpr = dq_smem.type.shape[1]
+    DQ_COLUMNS: gl.constexpr = dq_smem.type.shape[2]
+    DQ_BY_ROWS: gl.constexpr = BLOCK_M == 2 * DQ_TILE_ROWS
+    OWN_PART: gl.constexpr = not DQ_BY_ROWS and HEAD_DIM2 > 0 and WG == 1  # warpgroup 1 takes the second part
+    SECOND_DQ: gl.constexpr = DQ_BY_ROWS and HEAD_DIM2 > 0
+    DQ_GROUPS: gl.constexpr = 2 if SECOND_DQ else 1
+    DQ_ROW: gl.constexpr = WG * DQ_TILE_ROWS if DQ_BY_ROWS else 0
+    DQ_COLUMN: gl.constexpr = 0 if DQ_BY_ROWS else WG * (HEAD_DIM if HEAD_DIM2 > 0 else DQ_COLUMNS)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLUMNS, 16])
+    dq2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, dq2_smem.type.shape[2], 16])
+    if OWN_PART:
+        dq_keys = k2_smem
+    else:
+        dq_keys = k_smem.slice(DQ_COLUMN, DQ_COLUMNS, dim=1)
     bk, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
     my_keys = k_smem.slice(WG * HALF_N, HALF_N)
     my_values = v_smem.slice(WG * HALF_N, HALF_N)
@@ -351,13 +318,18 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
     offs_kv = kv_first + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     cols_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
+    zero_dq = gl.zeros([DQ_TILE_ROWS, DQ_COLUMNS], gl.float32, dq_layout)
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dk2 = 0.0
     dv2 = 0.0
+    zero_dq2 = 0.0
     if HEAD_DIM2 > 0:
         dk2 = gl.zeros([HALF_N, HEAD_DIM2], gl.float32, kv2_layout)
         dv2 = gl.zeros([HALF_N, HEAD_DIM2], gl.float32, kv2_layout)
+    if SECOND_DQ:
+        zero_dq2 = gl.zeros([DQ_TILE_ROWS, HEAD_DIM2], gl.float32, dq2_layout)
+    sync = heads  # a value the named barrier passes along, which orders it among the products
     # the scale of the scores: the products', or 1 where the score function returns base-2 scores
     soft_scale = qk_scale
     if SCORE_MOD is not None:
@@ -391,58 +363,45 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
             dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
             ds_t = p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
             ds_t = (ds_t * d_score).to(q.dtype)  # the score function's derivative (1.0 without one)
-            ds_buffer = n % 2
-            ds_tile = ds_smem.index(ds_buffer)
-            if WG == 1:  # warpgroup 0's dQ products of tile n - 2 have read the buffer
-                mbarrier.wait(ds_free.index(ds_buffer), ((n // 2) - 1) & 1, pred=n >= 2)
+            ds_tile = ds_smem.index(n % 2)
             ds_tile.slice(WG * HALF_N, HALF_N).store(ds_t)
-            # every thread's part of the half stored and seen by the async proxy before warpgroup 1's arrival, and
-            # before warpgroup 0's dQ products read it (a wgmma reads what all four warps of its warpgroup stored)
             fence_async_shared()
-            thread_barrier()
-            if WG == 1:
-                mbarrier.arrive(ds_full.index(ds_buffer))
             p2_op = 0.0
             if HEAD_DIM2 > 0:
                 p2_op = gl.convert_layout(p_op, a2_layout)
             dv, dv2 = issue_pv(p_op, p2_op, do, do2, dv, dv2, HEAD_DIM2)
-            dq = 0.0
+            # both halves of dS^T are in shared memory: the dQ product takes the barrier's value, so that it is issued
+            # after it, and the second part's follows it in issue order (wgmmas keep their order)
+            sync = named_sync(10, sync)
+            ds_rows = ds_tile.slice(DQ_ROW, DQ_TILE_ROWS, dim=1).permute((1, 0))
+            dq = warpgroup_mma(ds_rows, dq_keys, zero_dq + (sync * 0).to(gl.float32), use_acc=False, is_async=True)
             dq2 = 0.0
-            if WG == 0:  # both halves of dS^T in the buffer: the query tile's first dQ tile(s)
-                mbarrier.wait(ds_full.index(ds_buffer), (n // 2) & 1)
-                dq, dq2 = _issue_dq(ds_tile, k_smem, k2_smem, dq_smem0.index(0), dq2_smem0.index(0), 0, HEAD_DIM,
-                                    HEAD_DIM2)
+            if SECOND_DQ:
+                dq2 = warpgroup_mma(ds_rows, k2_smem, zero_dq2, use_acc=False, is_async=True)
             if HEAD_DIM2 > 0:
-                dv, dv2, p_op, p2_op = warpgroup_mma_wait(DQ_GROUPS if WG == 0 else 0, deps=(dv, dv2, p_op, p2_op))
+                dv, dv2, p_op, p2_op = warpgroup_mma_wait(DQ_GROUPS, deps=(dv, dv2, p_op, p2_op))
             else:
-                dv, p_op = warpgroup_mma_wait(DQ_GROUPS if WG == 0 else 0, deps=(dv, p_op))
+                dv, p_op = warpgroup_mma_wait(DQ_GROUPS, deps=(dv, p_op))
             ds_op = gl.convert_layout(ds_t, a_layout)
             ds2_op = 0.0
             if HEAD_DIM2 > 0:
                 ds2_op = gl.convert_layout(ds_op, a2_layout)
             dk, dk2 = issue_pv(ds_op, ds2_op, q, q2, dk, dk2, HEAD_DIM2)
-            if WG == 0:
-                # one dQ tile (set) in flight at a time, as each warpgroup had: the first staged under dK's product,
-                # the second after it
-                for j in gl.static_range(2):
-                    if SECOND_DQ:
-                        dq, dq2 = warpgroup_mma_wait(PARTS if j == 0 else 0, deps=(dq, dq2))
-                    else:
-                        dq = warpgroup_mma_wait(PARTS if j == 0 else 0, deps=(dq,))
-                    if j == 1:  # every warp's dQ products have read dS^T's buffer
-                        thread_barrier()
-                        mbarrier.arrive(ds_free.index(ds_buffer))
-                    if j == 0:
-                        _stage_dq(dq, dq2, dq_smem0, dq2_smem0, dq_empty, n, 0, SECOND_DQ)
-                    else:
-                        _stage_dq(dq, dq2, dq_smem1, dq2_smem1, dq_empty, n, 1, SECOND_DQ)
-                    # every thread's stores seen by TMA (the fence, then the warpgroup's barrier) before the arrival
-                    fence_async_shared()
-                    thread_barrier()
-                    mbarrier.arrive(dq_full.index(j * 2 + n % 2))
-                    if j == 0:
-                        dq, dq2 = _issue_dq(ds_tile, k_smem, k2_smem, dq_smem1.index(0), dq2_smem1.index(0), 1,
-                                            HEAD_DIM, HEAD_DIM2)
+            # dK's product runs under dQ's store
+            if SECOND_DQ:
+                dq, dq2 = warpgroup_mma_wait(PARTS, deps=(dq, dq2))
+            else:
+                dq = warpgroup_mma_wait(PARTS, deps=(dq,))
+            # staged for the writer once its reduce of the tile before the last has read the buffer; every thread's
+            # stores seen by TMA (the fence, then the warpgroup's barrier) before the arrival
+            buffer = n % 2
+            mbarrier.wait(dq_empty.index(WG * 2 + buffer), ((n // 2) - 1) & 1, pred=n >= 2)
+            dq_smem.index(buffer).store(dq)
+            if SECOND_DQ:
+                dq2_smem.index(buffer).store(dq2)
+            fence_async_shared()
+            thread_barrier()
+            mbarrier.arrive(dq_full.index(WG * 2 + buffer))
             if HEAD_DIM2 > 0:
                 dk, dk2, ds_op, ds2_op = warpgroup_mma_wait(0, deps=(dk, dk2, ds_op, ds2_op))
             else:
@@ -565,32 +524,24 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
     # a staging buffer's: consumer WG's buffer i at WG * 2 + i
     dq_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    # a dS^T buffer's: warpgroup 1's half stored (ds_full), warpgroup 0's dQ products done reading it (ds_free)
-    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(4):
-        mbarrier.init(dq_full.index(i), count=1)  # warpgroup 0's arrival
+        mbarrier.init(dq_full.index(i), count=1)  # the consumer's arrival
         mbarrier.init(dq_empty.index(i), count=1)  # the writer's
-    for i in gl.static_range(2):
-        mbarrier.init(ds_full.index(i), count=1)
-        mbarrier.init(ds_free.index(i), count=1)
 
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                     ds_smem, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, kv_ready, q_ready, q_empty, ds_full, ds_free,
-                     dq_full, dq_empty, DK, DV, FULL_NUM,
+                     ds_smem, dq_smem0, dq2_smem0, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM,
                      FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
                      stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0, MASK_KIND,
                      IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM,
                      HEAD_DIM2, STAGES)),
         (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                     ds_smem, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, kv_ready, q_ready, q_empty, ds_full, ds_free,
-                     dq_full, dq_empty, DK, DV, FULL_NUM,
+                     ds_smem, dq_smem1, dq2_smem1, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM,
                      FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
                      stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1, MASK_KIND,
                      IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM,
