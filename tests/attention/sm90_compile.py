@@ -28,6 +28,7 @@ from sparseflash.attention.triton.plan import LaunchPlan
 from sparseflash.masks.functions import trace
 
 SEQ_LEN, HEADS = 512, 4
+RAGGED_LEN = 700  # a multiple of neither tile (128 and 64 rows)
 HOPPER_SHARED_BYTES = 232448  # shared memory a block may take on an H100 (227 KiB): more compiles, then fails to launch
 
 
@@ -92,6 +93,10 @@ def cases() -> dict:
         "forward-d96-documents": ("forward", 96, documents, None),  # 64 + 32
         "forward-d160-alibi": ("forward", 160, causal, alibi),  # 128 + 32, two K/V buffers
         "forward-d192-causal": ("forward", 192, causal, None),  # 128 + 64, 64-key tiles
+        # lengths the tiles do not divide: the last key tile ends at the last key (RAGGED_KEYS)
+        "forward-d128-dense-ragged": ("forward", 128, masks.make("dense", RAGGED_LEN), None),
+        "forward-d64-alibi-ragged": ("forward", 64, masks.make("causal", RAGGED_LEN), alibi),
+        "forward-d256-causal-ragged": ("forward", 256, masks.make("causal", RAGGED_LEN), None),
         "backward-d128-causal": ("backward", 128, causal, None),
         "backward-d128-alibi": ("backward", 128, causal, alibi),
         "backward-d128-softcap": ("backward", 128, causal, softcap),
@@ -109,8 +114,8 @@ def cases() -> dict:
 
 
 def compile_case(direction: str, dim: int, mask, score_mod) -> list:
-    """The kernels ``launch`` of ``direction`` compiles for (2, HEADS, SEQ_LEN, dim) bf16 inputs."""
-    q = torch.randn(2, HEADS, SEQ_LEN, dim, dtype=torch.bfloat16)
+    """The kernels ``launch`` of ``direction`` compiles for (2, HEADS, the mask's length, dim) bf16 inputs."""
+    q = torch.randn(2, HEADS, mask.q_len, dim, dtype=torch.bfloat16)
     score_graph = trace(score_mod, "score_mod") if score_mod is not None else None
     plan = LaunchPlan(q, q, mask, False, dim ** -0.5, score_graph)
     mods = plan.mods_table(plan.captures(score_graph))

@@ -317,6 +317,43 @@ def test_gpu_gluon_forward_three_consumers_past_q_len(dim, pattern, layout, monk
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dim, dtype", [(48, torch.bfloat16), (64, torch.float16), (96, torch.bfloat16),
+                                        (128, torch.bfloat16), (256, torch.float16)],
+                         ids=["d48-bf16", "d64-fp16", "d96-bf16", "d128-bf16", "d256-fp16"])
+@pytest.mark.parametrize("case, q_len, kv_len", [
+    ("dense", 700, 700), ("causal", 700, 700), ("causal", 300, 1000), ("dense", 1000, 333), ("alibi", 700, 700),
+    ("dense-nan-gaps", 700, 700), ("causal-nan-gaps-bshd", 700, 700)], ids=str)
+def test_gpu_gluon_forward_on_lengths_its_tiles_do_not_divide(case, q_len, kv_len, dim, dtype, monkeypatch):
+    """DENSE and CAUSAL masks (causal top-left where q_len != kv_len; with ALiBi) on lengths that neither 128 nor 64
+    divides: the Gluon forward, its last key tile ending at the last key (RAGGED_KEYS), the Triton backward (the
+    Gluon backward takes no such lengths). "nan-gaps": q, k, v slices of longer sequences whose other rows are NaN,
+    which a key tile running past kv_len would read (P = 0 times NaN is NaN), in (B, H, S, D) or (B, S, H, D)
+    memory; GQA. o, lse and the gradients against the reference."""
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+
+    def tensor(heads, length):
+        if "nan-gaps" not in case:
+            return torch.randn(2, heads, length, dim, dtype=dtype, device="cuda")
+        longer = torch.full((2, length + 200, heads, dim) if "bshd" in case else (2, heads, length + 200, dim),
+                            float("nan"), dtype=dtype, device="cuda")
+        if "bshd" in case:
+            longer[:, :length] = torch.randn(2, length, heads, dim, dtype=dtype, device="cuda")
+            return longer[:, :length].transpose(1, 2)
+        longer[:, :, :length] = torch.randn(2, heads, length, dim, dtype=dtype, device="cuda")
+        return longer[:, :, :length]
+
+    q, k, v = tensor(4, q_len), tensor(2, kv_len), tensor(2, kv_len)
+    do = torch.randn(2, 4, q_len, dim, dtype=dtype, device="cuda")
+    mask = make("dense" if case.startswith("dense") else "causal", q_len, kv_len)
+    score_mod = make_score_mod("alibi", 4).to("cuda") if case == "alibi" else None
+    launched = _spy_launches(monkeypatch)
+    check_backend("triton", q, k, v, mask, do, score_mod=score_mod)
+    assert launched["forward"] and all(launched["forward"]) and not launched["backward"], launched
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("pattern", ["dense", "blocks-of-64-keys"])
 def test_gpu_gluon_forward_odd_key_tiles_across_items(pattern, monkeypatch):
     """Head dim 256 (two K/V buffers, K released apart from V): 5 key tiles an item (SPARSE: 3 or none, blocks of
@@ -408,18 +445,20 @@ def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
 @pytest.mark.parametrize("case, forward, backward", [
     ("dense", True, True), ("causal", True, True), ("butterfly", True, True), ("local-causal-256", True, True),
     ("fp32", False, False), ("d96", True, True), ("d48", True, True), ("d72", False, False), ("d112", False, False),
-    ("d96-q192", False, True), ("d48-q192", False, False),
-    ("d160-kv320", False, True), ("d192-kv320", True, True), ("d160-q192", False, True),
-    ("d256", True, True), ("d256-kv320", True, True), ("d256-kv288", False, False), ("q192", False, True),
-    ("d64-q192", False, False), ("d64-q384", True, True),
-    ("q200", False, False), ("kv300", False, False), ("blocks-64", False, False), ("ragged-last-block", False, False),
+    ("d96-q192", True, True), ("d48-q192", True, False),
+    ("d160-kv320", True, True), ("d192-kv320", True, True), ("d160-q192", True, True),
+    ("d256", True, True), ("d256-kv320", True, True), ("d256-kv288", True, False), ("q192", True, True),
+    ("d64-q192", True, False), ("d64-q384", True, True),
+    ("q200", True, False), ("kv300", True, False), ("kv100", False, False), ("causal-q200-kv300", True, False),
+    ("blocks-64", False, False), ("ragged-last-block", False, False), ("random-kv300", False, False),
     ("key-lengths", False, False), ("dropout", False, False), ("trained-captures", True, False),
     ("special-per-score", False, True),
 ], ids=str)
 def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
     """fp16/bf16 of head dim 64, 128 or 256 or one of two parts without padding (48, 80, 96, 160, 192; not 72, whose
-    second part would be padded, nor 112, padded to 128) (the backward 48-192), lengths that the tiles divide
-    (forward: 128 queries and 128 keys, 64 at head dims 192 and 256; backward: 64 queries at head dims 80-192, 128 at
+    second part would be padded, nor 112, padded to 128) (the backward 48-192); the forward DENSE and CAUSAL masks on
+    any lengths with a key tile of keys (128, 64 at head dims 192 and 256), SPARSE masks and the backward lengths that
+    the tiles divide (forward: 128 queries and the key tile; backward: 64 queries at head dims 80-192, 128 at
     48 and 64, and 128 keys, 64 at 160 and 192), SPARSE blocks that the tiles divide and that divide
     the lengths, no key_lengths or dropout; the forward no score function that evaluates exp, log, tanh or sqrt
     per score, the backward none whose captured tensors take gradients (SPARSEFLASH_GLUON=1; the GPU and Triton
@@ -432,7 +471,8 @@ def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
                   **{"d160-kv320": dict(kv_len=320, dim=160), "d192-kv320": dict(kv_len=320, dim=192)},
                   **{"d256-kv320": dict(kv_len=320, dim=256), "d256-kv288": dict(kv_len=288, dim=256)},
                   **{"d64-q192": dict(q_len=192, dim=64), "d64-q384": dict(q_len=384, dim=64)},
-                  q200=dict(q_len=200), kv300=dict(kv_len=300))
+                  q200=dict(q_len=200), kv300=dict(kv_len=300), kv100=dict(kv_len=100),
+                  **{"causal-q200-kv300": dict(q_len=200, kv_len=300), "random-kv300": dict(kv_len=300)})
     q, k = _plan_inputs(**shapes.get(case, {}))
     if case in MASKS:
         mask = MASKS[case](q.shape[2], k.shape[2], q.shape[1])
@@ -441,6 +481,9 @@ def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
     elif case == "ragged-last-block":  # 384 keys in 256-key blocks: the last block holds 128 of them
         q, k = _plan_inputs(384, 384)
         mask = make("random", 384, block=256, density=0.5)
+    elif case.startswith(("causal-", "random-")):
+        params = {"density": 0.5} if case.startswith("random") else {}
+        mask = make(case.split("-")[0], q.shape[2], k.shape[2], **params)
     else:
         mask = make("dense", q.shape[2], k.shape[2])
     flags = dict(has_key_lengths=case == "key-lengths", dropout=case == "dropout")

@@ -27,6 +27,8 @@ Constexpr flags:
   IS_CAUSAL      SPARSE only: the partial blocks are cut by q_idx >= kv_idx (top-left alignment).
   MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW  the generated helpers (codegen.py) as in forward.py, or None:
                  MASK_MOD cuts the partial blocks too; a score function gives the tiles' base-2 scores.
+  RAGGED_KEYS    DENSE or CAUSAL, kv_len not a multiple of BLOCK_N: the last key tile ends at kv_len, overlapping
+                 the tile before, whose keys it masks (``_key_start``); no load reads past a head's keys.
   BLOCK_N        key rows of a tile (``KEY_TILE``: 128, 64 at head dims 192 and 256).
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
   HEAD_DIM, HEAD_DIM2  the head dim, a power of two (HEAD_DIM2 = 0), or its two parts (``plan.head_dim_parts``:
@@ -48,9 +50,11 @@ at its table's first entry, a padding entry) and the consumers mask all of it, s
 first tile to peel.
 
 Applies (``applies``) on Hopper (capability 9.x) with Triton >= 3.6 to fp16/bf16 inputs of head dim 48, 64,
-80, 96, 128, 160, 192 or 256 (``KEY_TILE``), lengths that the tiles divide, SPARSE blocks that the tiles divide
-and that divide the lengths, no key_lengths or dropout, no score function that evaluates exp, log, tanh or sqrt
-per score, and layouts TMA can read (``forward_persistent.row_view_rows``).
+80, 96, 128, 160, 192 or 256 (``KEY_TILE``): DENSE and CAUSAL masks on any lengths with a key tile of keys or more
+(the last query tile's rows past q_len are computed and not stored, as a tile of three warpgroups'), SPARSE masks on
+lengths that the tiles divide, with blocks that the tiles divide and that divide the lengths; no key_lengths or
+dropout, no score function that evaluates exp, log, tanh or sqrt per score, and layouts TMA can read
+(``forward_persistent.row_view_rows``).
 ``SPARSEFLASH_GLUON``: "auto" (default) where it was measured faster than the Triton forward (rows of
 ``AUTO_ROW_KEYS`` keys or more on average), "1" wherever it applies, "0" never.
 """
@@ -119,19 +123,21 @@ def _key_term(b, h, q_start, qk_scale, MODS, SCORE_MOD: gl.constexpr, SCORE_KEYS
 
 
 @gluon.jit
-def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term, qk_scale, MODS,
+def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_len, keys, key_term, qk_scale, MODS,
             MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
-            SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
+            SCORE_KEYS: gl.constexpr, RAGGED_KEYS: gl.constexpr, BLOCK_N: gl.constexpr,
+            SPARSE_BLOCK_N: gl.constexpr):
     """(scores, shift): the products s of key tile t as the softmax takes them: SCORE_MOD's base-2 scores at
     reference query q_start (``tiles.modded_scores``; the products themselves without a score function), then
     -inf where the tile is past the unmasked ones (CAUSAL's diagonal, SPARSE's partial blocks) and the element
-    is dropped by q_idx < kv_idx (CAUSAL, IS_CAUSAL) or by MASK_MOD (by either where both apply). With
+    is dropped by q_idx < kv_idx (CAUSAL, IS_CAUSAL) or by MASK_MOD (by either where both apply), and (RAGGED_KEYS)
+    where the last tile, moved back to end at kv_len (``_key_start``), overlaps the tile before. With
     SCORE_KEYS the scores less the key term's value at the tile's first key, ``shift`` (the item's
     ``_key_term``), which the softmax adds to the rows' max instead: a vector add per tile less; shift is 0.0
     otherwise."""
     shift = 0.0
-    if SCORE_MOD is not None or MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None:
-        kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
+    if SCORE_MOD is not None or MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None or RAGGED_KEYS:
+        kv_start = _key_start(t, n_full, full_idx, part_idx, kv_len, MASK_KIND, RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_N)
         q_idx = offs_m[:, None]
         kv_idx = (kv_start + offs_n)[None, :]
         if SCORE_KEYS is not None:
@@ -141,16 +147,35 @@ def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, key
         elif SCORE_MOD is not None:
             s = modded_scores(s, b, h, q_idx, kv_idx, q_start, kv_start, keys, qk_scale, MODS, SCORE_MOD,
                               SCORE_KEYS)[0]
-        if MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None:
+        if MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None or RAGGED_KEYS:
             if t >= n_full:
+                new_key = kv_idx >= t * BLOCK_N  # not a key of the tile before (all but RAGGED_KEYS' last tile's)
                 if MASK_MOD is not None:
                     keep = MASK_MOD(b, h, q_idx, kv_idx, MODS)
                     if IS_CAUSAL:
                         keep = keep & (q_idx >= kv_idx)
-                else:
+                elif MASK_KIND == 1 or IS_CAUSAL:
                     keep = q_idx >= kv_idx
+                else:
+                    keep = new_key
+                if RAGGED_KEYS:
+                    keep = keep & new_key
                 s = gl.where(keep, s, float("-inf"))
     return s, shift
+
+
+@gluon.jit
+def _key_start(t, n_full, full_idx, part_idx, kv_len, MASK_KIND: gl.constexpr, RAGGED_KEYS: gl.constexpr,
+               BLOCK_N: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
+    """The first key of key tile t of a walk (``walk_tile_start``). With RAGGED_KEYS (DENSE or CAUSAL, kv_len not a
+    multiple of BLOCK_N and at least BLOCK_N) the last tile ends at kv_len, overlapping the tile before, whose keys
+    ``_scores`` masks in it: a tile past kv_len would read the rows after the head's keys (the next head's, or another
+    tensor's where the layout has gaps, whose values might be NaN; only TMA's reads past the tensor's end are zeros),
+    and a masked score's P = 0 times a NaN of V is NaN."""
+    kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
+    if RAGGED_KEYS:
+        kv_start = gl.minimum(kv_start, kv_len - BLOCK_N)
+    return kv_start
 
 
 @gluon.jit
@@ -201,14 +226,14 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, ORDER, stride_num_b
         n_tiles = gl.cdiv(gl.minimum(kv_len, q_start + BLOCK_M), BLOCK_N)
     else:
         n_full = kv_len // BLOCK_N
-        n_tiles = n_full
+        n_tiles = gl.cdiv(kv_len, BLOCK_N)
     return bh, q_start, n_full, n_tiles, full_idx, part_idx
 
 
 @gluon.jit
-def _producer(load_args, MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
-              SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr,
-              STAGES: gl.constexpr):
+def _producer(load_args, MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, RAGGED_KEYS: gl.constexpr,
+              BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
+              HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """For each work item: Q (a 64-row box per consumer) once every consumer is done with the previous Q, then K
     and V of each key tile into the ring's next buffer once every consumer released its previous tile (K and V
     apart with K_EARLY); with HEAD_DIM2, each with its second part (q2/k2/v2). ``load_args``: the kernel's
@@ -243,7 +268,8 @@ def _producer(load_args, MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, B
             load_box(q_desc, q2_desc, q_row + w * HALF_M, q_col, q_ready, q_smem.index(w), q2_smem.index(w), HEAD_DIM2)
         for t in range(gl.maximum(n_tiles, 1)):  # a row of no tile loads a first one, which the consumers mask
             stage = loads % STAGES
-            kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
+            kv_start = _key_start(t, n_full, full_idx, part_idx, kv_len, MASK_KIND, RAGGED_KEYS, BLOCK_N,
+                                  SPARSE_BLOCK_N)
             phase = ((loads // STAGES) - 1) & 1
             if K_EARLY:
                 mbarrier.wait(k_empty.index(stage), phase, pred=loads >= STAGES)
@@ -264,8 +290,8 @@ def _producer(load_args, MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, B
 @gluon.jit
 def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, IS_CAUSAL: gl.constexpr,
               MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SCORE_ROW: gl.constexpr,
-              BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
+              RAGGED_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """For each work item, rows [WG * 64, WG * 64 + 64) of its query tile: the online softmax over the key
     tiles the producer loads, then o (O seen as (rows, HEAD_DIM + HEAD_DIM2)) and the lse. With HEAD_DIM2, the
     output's second part accumulates in acc2 (0.0 without). ``shared``: the kernel's arguments the consumers take
@@ -335,8 +361,9 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, LONGEST_FIRST: 
         s = warpgroup_mma_wait(0, deps=(s,))
         if K_EARLY:
             mbarrier.arrive(k_empty.index(used % STAGES))
-        s, shift = _scores(s, 0, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term, qk_scale,
-                           MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_N)
+        s, shift = _scores(s, 0, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_len, keys, key_term,
+                           qk_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, RAGGED_KEYS, BLOCK_N,
+                           SPARSE_BLOCK_N)
         if MAY_BE_EMPTY:
             if n_tiles == 0:  # the producer loaded tile 0 all the same
                 s = gl.full_like(s, float("-inf"))
@@ -363,9 +390,9 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, LONGEST_FIRST: 
             s = warpgroup_mma_wait(PV_GROUPS, deps=(s,))
             if K_EARLY:
                 mbarrier.arrive(k_empty.index(stage))
-            s, shift = _scores(s, j, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, keys, key_term,
-                               qk_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N,
-                               SPARSE_BLOCK_N)
+            s, shift = _scores(s, j, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_len, keys,
+                               key_term, qk_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS,
+                               RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_N)
             m_new = gl.maximum(m_i, _tile_max(s, shift, SCORE_KEYS is not None))
             m_use = _safe_max(m_new, MAY_BE_EMPTY)
             alpha = gl.exp2((m_i - m_use) * soft_scale)
@@ -433,9 +460,9 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
                     heads, groups, q_len, kv_len, n_items, num_programs, qk_scale,
                     MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, IS_CAUSAL: gl.constexpr,
                     MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
-                    SCORE_ROW: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-                    SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
-                    STAGES: gl.constexpr, WARPGROUPS: gl.constexpr):
+                    SCORE_ROW: gl.constexpr, RAGGED_KEYS: gl.constexpr, BLOCK_N: gl.constexpr,
+                    SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, WARPGROUPS: gl.constexpr):
     """Work items program_id(0), program_id(0) + num_programs, ... of the n_items (batch, head, query tile)
     (``_work_item``). q/k/v_desc read Q, K, V as ``row_view`` matrices (rows of pitch stride_*m, element
     (b, h, s, 0) at row (b * stride_b + h * stride_h) // pitch + s and column (...) % pitch) in boxes of
@@ -487,22 +514,22 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
     if WARPGROUPS == 3:
         gl.warp_specialize([
             (_consumer, (shared, 0, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+                         RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
             (_consumer, (shared, 1, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+                         RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
             (_consumer, (shared, 2, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
-            (_producer, (load_args, MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2,
-                         STAGES)),
+                         RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+            (_producer, (load_args, MASK_KIND, LONGEST_FIRST, RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
+                         HEAD_DIM2, STAGES)),
         ], [4, 4, 1], [160, 160, 24])
     else:
         gl.warp_specialize([
             (_consumer, (shared, 0, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+                         RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
             (_consumer, (shared, 1, MASK_KIND, LONGEST_FIRST, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
-            (_producer, (load_args, MASK_KIND, LONGEST_FIRST, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2,
-                         STAGES)),
+                         RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+            (_producer, (load_args, MASK_KIND, LONGEST_FIRST, RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
+                         HEAD_DIM2, STAGES)),
         ], [4, 1], [240, 24])
 
 
@@ -521,7 +548,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
     thresholds = AUTO_ROW_KEYS_THREE if warpgroups(mask.kind, dim, functions, q.shape[2]) == 3 else AUTO_ROW_KEYS
     return not special_per_score and gluon_tools.chosen(
         q, k, mask, TILES, row_keys, thresholds.get((dim, mask.kind is MaskKind.CAUSAL), math.inf), has_key_lengths,
-        dropout)
+        dropout, ragged=True)
 
 
 def warpgroups(kind: MaskKind, head_dim: int, functions: bool, q_len: int) -> int:
@@ -544,11 +571,12 @@ FORWARD_GLUON = Launcher(_attn_fwd_gluon)
 
 @functools.lru_cache(maxsize=None)
 def _constexprs(mask_kind: int, longest_first: bool, causal: bool, sparse_block: tuple[int, int], head_dim: int,
-                parts: tuple[int, int], mods: tuple, warpgroups: int) -> dict:
+                parts: tuple[int, int], mods: tuple, warpgroups: int, ragged_keys: bool) -> dict:
     mask_mod, score_mod, score_keys, score_row = mods
     first, second = parts
     return dict(MASK_KIND=mask_kind, LONGEST_FIRST=longest_first, IS_CAUSAL=causal, MASK_MOD=mask_mod,
-                SCORE_MOD=score_mod, SCORE_KEYS=score_keys, SCORE_ROW=score_row, BLOCK_N=KEY_TILE[head_dim],
+                SCORE_MOD=score_mod, SCORE_KEYS=score_keys, SCORE_ROW=score_row, RAGGED_KEYS=ragged_keys,
+                BLOCK_N=KEY_TILE[head_dim],
                 SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=first, HEAD_DIM2=second,
                 STAGES=STAGES[head_dim], WARPGROUPS=warpgroups, num_warps=4)
 
@@ -598,7 +626,8 @@ def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *table_strides, plan.heads, plan.groups,
              plan.q_len, plan.kv_len, n_items, programs, plan.qk_scale),
             _constexprs(KIND_CODES[plan.kind], order is not None, plan.causal, plan.sparse_block, q.shape[3],
-                        parts, (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row), consumers))
+                        parts, (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row), consumers,
+                        plan.kv_len % key_tile != 0))
 
 
 def _longest_first(plan) -> torch.Tensor | None:
