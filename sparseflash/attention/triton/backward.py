@@ -695,8 +695,9 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
     if gluon is not None and gluon.compile_ahead(plan, q, k, v, mods, stats, stats_stride):
         # (without them, a new function's first backward waited for the Gluon backward's compile: on an H100 host
         # 1.0-1.2 s at head dim 64, 0.5-0.8 s at 128)
-        configs = [fit(kernel, GLUON_STAND_IN, plan.backward_key) if plan.config_key.columns < SPLIT_FROM_COLUMNS
-                   else planned(kernel, plan.backward_key) for kernel, _ in SPLIT]
+        small = plan.config_key.columns < SPLIT_FROM_COLUMNS
+        configs = [fit(kernel, GLUON_STAND_IN, plan.backward_key) if small else planned(kernel, plan.backward_key)
+                   for kernel, _ in SPLIT]
         if None not in configs and stand_ins and gluon.compiling(plan, q, k, v, out, mods, stats_stride):
             stand_in("gluon_backward_stand_in", [(cfg, programs) for cfg, (_, programs) in zip(configs, SPLIT)])
         return
