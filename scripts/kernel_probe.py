@@ -61,22 +61,16 @@ def peer_medians(fns: dict, q, k, v, mode: str, contexts: dict | None = None) ->
     do = torch.randn_like(q)
 
     def step_of(name):
-        fn, context = fns[name], (contexts or {}).get(name)
+        fn, context = fns[name], (contexts or {}).get(name, contextlib.nullcontext)
 
         def step():
-            if mode == "fwd":
-                fn(q, k, v)
-            else:
-                fn(*leaves).backward(do)
-
-        if context is None:
-            return step
-
-        def step_in_context():
             with context():
-                step()
+                if mode == "fwd":
+                    fn(q, k, v)
+                else:
+                    fn(*leaves).backward(do)
 
-        return step_in_context
+        return step
 
     names = [name for name, fn in fns.items() if fn is not None]
     with torch.no_grad() if mode == "fwd" else contextlib.nullcontext():

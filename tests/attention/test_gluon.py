@@ -235,8 +235,8 @@ def test_gpu_the_triton_backward_standing_in_matches_reference(case, dim, dtype,
     mask, score_mod = _with_functions(case, seq_len, heads)
     check_backend("triton", q, k, v, mask, do, score_mod=score_mod)
     # (the plans of the calls, kept on the mask: ``LaunchPlan.of``)
-    stood_in = {plan: plan.per_layout["gluon_backward_stand_in"]["stand_in"] for plan in mask.derived["triton"].values()
-                if "stand_in" in plan.per_layout.get("gluon_backward_stand_in", {})}
+    states = {plan: plan.per_layout.get("gluon_backward_stand_in", {}) for plan in mask.derived["triton"].values()}
+    stood_in = {plan: state["stand_in"] for plan, state in states.items() if "stand_in" in state}
     assert stood_in and all(cfg == fit(kernel, backward.GLUON_STAND_IN, plan.backward_key)
                             for plan, halves in stood_in.items()
                             for (cfg, _), (kernel, _) in zip(halves, backward.SPLIT)), stood_in

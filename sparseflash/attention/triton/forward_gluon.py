@@ -576,9 +576,8 @@ def _constexprs(mask_kind: int, longest_first: bool, causal: bool, sparse_block:
     first, second = parts
     return dict(MASK_KIND=mask_kind, LONGEST_FIRST=longest_first, IS_CAUSAL=causal, MASK_MOD=mask_mod,
                 SCORE_MOD=score_mod, SCORE_KEYS=score_keys, SCORE_ROW=score_row, RAGGED_KEYS=ragged_keys,
-                BLOCK_N=KEY_TILE[head_dim],
-                SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=first, HEAD_DIM2=second,
-                STAGES=STAGES[head_dim], WARPGROUPS=warpgroups, num_warps=4)
+                BLOCK_N=KEY_TILE[head_dim], SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1],
+                HEAD_DIM=first, HEAD_DIM2=second, STAGES=STAGES[head_dim], WARPGROUPS=warpgroups, num_warps=4)
 
 
 def launch(plan, q, k, v, o, lse, mods: torch.Tensor, ahead: bool = False) -> bool:
