@@ -110,6 +110,9 @@ def cases() -> dict:
         "backward-d192-alibi": ("backward", 192, causal, alibi),  # 128 | 64
         "backward-d256-documents": ("backward", 256, documents, None),  # 128 | 128, two Q buffers, one dO buffer
         "backward-d256-causal": ("backward", 256, causal, None),
+        "backward-d128-dense-ragged": ("backward", 128, masks.make("dense", RAGGED_LEN), None),
+        "backward-d64-alibi-ragged": ("backward", 64, masks.make("causal", RAGGED_LEN), alibi),
+        "backward-d160-causal-ragged": ("backward", 160, masks.make("causal", RAGGED_LEN), None),
     }
 
 
@@ -130,9 +133,9 @@ def compile_case(direction: str, dim: int, mask, score_mod) -> list:
         if direction == "forward":
             assert module.launch(plan, q, q, q, torch.empty_like(q), torch.empty(q.shape[:3]), mods)
         else:
-            stats = torch.zeros(2 * HEADS, SEQ_LEN)
+            stats = torch.zeros(2 * HEADS, mask.q_len)
             grads = [torch.empty_like(q) for _ in range(2)]
-            assert module.launch(plan, q, q, q, q, stats, stats, module.accumulator(plan, q), *grads, mods, SEQ_LEN)
+            assert module.launch(plan, q, q, q, q, stats, stats, module.accumulator(plan, q), *grads, mods, mask.q_len)
     finally:
         for name, original in originals.items():
             setattr(module, name, original)

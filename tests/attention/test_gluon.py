@@ -215,14 +215,14 @@ def test_gpu_the_triton_forward_standing_in_matches_reference(case, dim, dtype, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dim, dtype", [(48, torch.bfloat16), (64, torch.float16), (96, torch.bfloat16),
-                                        (128, torch.float16), (192, torch.bfloat16)],
-                         ids=["d48-bf16", "d64-fp16", "d96-bf16", "d128-fp16", "d192-bf16"])
+                                        (128, torch.float16), (192, torch.bfloat16), (256, torch.bfloat16)],
+                         ids=["d48-bf16", "d64-fp16", "d96-bf16", "d128-fp16", "d192-bf16", "d256-bf16"])
 @pytest.mark.parametrize("case", ["window", "documents-and-alibi", "empty-rows"])
 def test_gpu_the_triton_backward_standing_in_matches_reference(case, dim, dtype, monkeypatch):
     """The Triton backward's halves with the configs they stand in with for the Gluon backward while that
-    compiles (``backward.GLUON_STAND_IN`` below 256 columns), made to stand in on every backward (the Gluon
-    backward's compile ahead never ends), with mask and score functions, 1,024 tokens, GQA, (B, S, H, D)
-    memory, against the reference."""
+    compiles (``backward.gluon_stand_in``: GLUON_STAND_IN, GLUON_STAND_IN_WIDE at 256), made to stand in on every
+    backward (the Gluon backward's compile ahead never ends), with mask and score functions, 1,024 tokens, GQA,
+    (B, S, H, D) memory, against the reference."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
@@ -237,7 +237,7 @@ def test_gpu_the_triton_backward_standing_in_matches_reference(case, dim, dtype,
     # (the plans of the calls, kept on the mask: ``LaunchPlan.of``)
     states = {plan: plan.per_layout.get("gluon_backward_stand_in", {}) for plan in mask.derived["triton"].values()}
     stood_in = {plan: state["stand_in"] for plan, state in states.items() if "stand_in" in state}
-    assert stood_in and all(cfg == fit(kernel, backward.GLUON_STAND_IN, plan.backward_key)
+    assert stood_in and all(cfg == fit(kernel, backward.gluon_stand_in(plan), plan.backward_key)
                             for plan, halves in stood_in.items()
                             for (cfg, _), (kernel, _) in zip(halves, backward.SPLIT)), stood_in
 
@@ -261,8 +261,8 @@ def test_gpu_gluon_alibi_keeps_precision_far_along_the_sequence(monkeypatch):
 @pytest.mark.parametrize("dim", [96, 128], ids=["d96", "d128"])
 @pytest.mark.parametrize("pattern", ["dense", "causal"])
 def test_gpu_gluon_backward_of_query_tiles_of_64(pattern, dim, monkeypatch):
-    """192 queries on 256 keys: the Triton forward (its query tiles are 128), the Gluon backward (64 at head
-    dims 80-192, in two parts at 96; 128 at 48 and 64)."""
+    """192 queries on 256 keys: the Gluon forward (its last query tile of 128 moved back to end at the last query),
+    the Gluon backward (64 at head dims 80-192, in two parts at 96; 128 at 48 and 64)."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
@@ -270,7 +270,7 @@ def test_gpu_gluon_backward_of_query_tiles_of_64(pattern, dim, monkeypatch):
     k, v = (torch.randn(2, 2, 256, dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     launched = _spy_launches(monkeypatch)
     check_backend("triton", q, k, v, MASKS[pattern](192, 256, 4), torch.randn_like(q))
-    assert not launched["forward"] and launched["backward"] and all(launched["backward"]), launched
+    assert all(launched["forward"]) and all(launched["backward"]) and all(launched.values()), launched
 
 
 @pytest.mark.gpu
@@ -325,10 +325,11 @@ def test_gpu_gluon_forward_three_consumers_past_q_len(dim, pattern, layout, monk
     ("dense-nan-gaps", 700, 700), ("causal-nan-gaps-bshd", 700, 700)], ids=str)
 def test_gpu_gluon_forward_on_lengths_its_tiles_do_not_divide(case, q_len, kv_len, dim, dtype, monkeypatch):
     """DENSE and CAUSAL masks (causal top-left where q_len != kv_len; with ALiBi) on lengths that neither 128 nor 64
-    divides: the Gluon forward, its last key tile ending at the last key (RAGGED_KEYS), the Triton backward (the
-    Gluon backward takes no such lengths). "nan-gaps": q, k, v slices of longer sequences whose other rows are NaN,
-    which a key tile running past kv_len would read (P = 0 times NaN is NaN), in (B, H, S, D) or (B, S, H, D)
-    memory; GQA. o, lse and the gradients against the reference."""
+    divides: the Gluon forward, its last key tile ending at the last key (RAGGED_KEYS), and the Gluon backward, its
+    programs' last key tile and their walks' last query tile ending at the last key and query (RAGGED). "nan-gaps":
+    q, k, v and do slices of longer sequences whose other rows are NaN, which a tile running past a length would
+    read (P = 0 times NaN is NaN), in (B, H, S, D) or (B, S, H, D) memory; GQA. o, lse and the gradients against
+    the reference."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
@@ -344,13 +345,12 @@ def test_gpu_gluon_forward_on_lengths_its_tiles_do_not_divide(case, q_len, kv_le
         longer[:, :, :length] = torch.randn(2, heads, length, dim, dtype=dtype, device="cuda")
         return longer[:, :, :length]
 
-    q, k, v = tensor(4, q_len), tensor(2, kv_len), tensor(2, kv_len)
-    do = torch.randn(2, 4, q_len, dim, dtype=dtype, device="cuda")
+    q, k, v, do = tensor(4, q_len), tensor(2, kv_len), tensor(2, kv_len), tensor(4, q_len)
     mask = make("dense" if case.startswith("dense") else "causal", q_len, kv_len)
     score_mod = make_score_mod("alibi", 4).to("cuda") if case == "alibi" else None
     launched = _spy_launches(monkeypatch)
     check_backend("triton", q, k, v, mask, do, score_mod=score_mod)
-    assert launched["forward"] and all(launched["forward"]) and not launched["backward"], launched
+    _assert_gluon_ran(launched, dim)
 
 
 @pytest.mark.gpu
@@ -445,24 +445,23 @@ def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
 @pytest.mark.parametrize("case, forward, backward", [
     ("dense", True, True), ("causal", True, True), ("butterfly", True, True), ("local-causal-256", True, True),
     ("fp32", False, False), ("d96", True, True), ("d48", True, True), ("d72", False, False), ("d112", False, False),
-    ("d96-q192", True, True), ("d48-q192", True, False),
+    ("d96-q192", True, True), ("d48-q192", True, True),
     ("d160-kv320", True, True), ("d192-kv320", True, True), ("d160-q192", True, True),
-    ("d256", True, True), ("d256-kv320", True, True), ("d256-kv288", True, False), ("q192", True, True),
-    ("d64-q192", True, False), ("d64-q384", True, True),
-    ("q200", True, False), ("kv300", True, False), ("kv100", False, False), ("causal-q200-kv300", True, False),
+    ("d256", True, True), ("d256-kv320", True, True), ("d256-kv288", True, True), ("q192", True, True),
+    ("d64-q192", True, True), ("d64-q384", True, True), ("q100", False, True), ("d64-q100", False, False),
+    ("q200", True, True), ("kv300", True, True), ("kv100", False, False), ("causal-q200-kv300", True, True),
     ("blocks-64", False, False), ("ragged-last-block", False, False), ("random-kv300", False, False),
     ("key-lengths", False, False), ("dropout", False, False), ("trained-captures", True, False),
     ("special-per-score", False, True),
 ], ids=str)
 def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
     """fp16/bf16 of head dim 64, 128 or 256 or one of two parts without padding (48, 80, 96, 160, 192; not 72, whose
-    second part would be padded, nor 112, padded to 128) (the backward 48-192); the forward DENSE and CAUSAL masks on
-    any lengths with a key tile of keys (128, 64 at head dims 192 and 256), SPARSE masks and the backward lengths that
-    the tiles divide (forward: 128 queries and the key tile; backward: 64 queries at head dims 80-192, 128 at
-    48 and 64, and 128 keys, 64 at 160 and 192), SPARSE blocks that the tiles divide and that divide
-    the lengths, no key_lengths or dropout; the forward no score function that evaluates exp, log, tanh or sqrt
-    per score, the backward none whose captured tensors take gradients (SPARSEFLASH_GLUON=1; the GPU and Triton
-    are ``gluon_hopper``'s)."""
+    second part would be padded, nor 112, padded to 128); DENSE and CAUSAL masks on lengths of at least a tile, SPARSE
+    masks on lengths that the tiles divide (forward: 128 queries and 128 keys, 64 at head dims 192 and 256; backward:
+    64 queries at head dims 80-256, 128 at 48 and 64, and 128 keys, 64 at 160-256), with blocks that the tiles divide
+    and that divide the lengths, no key_lengths or dropout; the forward no score function that evaluates exp, log,
+    tanh or sqrt per score, the backward none whose captured tensors take gradients (SPARSEFLASH_GLUON=1; the GPU and
+    Triton are ``gluon_hopper``'s)."""
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     shapes = dict(fp32=dict(dtype=torch.float32), d96=dict(dim=96), d48=dict(dim=48), d72=dict(dim=72),
                   d112=dict(dim=112), **{"d96-q192": dict(q_len=192, dim=96), "d48-q192": dict(q_len=192, dim=48),
@@ -471,7 +470,8 @@ def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
                   **{"d160-kv320": dict(kv_len=320, dim=160), "d192-kv320": dict(kv_len=320, dim=192)},
                   **{"d256-kv320": dict(kv_len=320, dim=256), "d256-kv288": dict(kv_len=288, dim=256)},
                   **{"d64-q192": dict(q_len=192, dim=64), "d64-q384": dict(q_len=384, dim=64)},
-                  q200=dict(q_len=200), kv300=dict(kv_len=300), kv100=dict(kv_len=100),
+                  q200=dict(q_len=200), kv300=dict(kv_len=300), kv100=dict(kv_len=100), q100=dict(q_len=100),
+                  **{"d64-q100": dict(q_len=100, dim=64)},
                   **{"causal-q200-kv300": dict(q_len=200, kv_len=300), "random-kv300": dict(kv_len=300)})
     q, k = _plan_inputs(**shapes.get(case, {}))
     if case in MASKS:

@@ -523,14 +523,24 @@ FUSED, SPLIT = [("backward", 0)], [("dkdv", 1), ("dq", 2)]
 # on an H100 host). A first call also compiles the halves ahead, each in a process of its own beside it,
 # and its backward runs them, with the fused kernel's config, until the fused kernel is compiled: where the
 # host has the cores to compile them all at once (``launch.STAND_IN_FROM_CPUS``; docs/kernels.md, "The first
-# call"). Its halves stand in for the Gluon backward alike, with GLUON_STAND_IN's small tiles below 256 columns,
-# which compile sooner than the Gluon backward (sm_90a on a CPU at 128, with a score function: dK/dV 1.2 s, dQ
-# 0.9 s, the Gluon backward 2.0 s; the fused kernel's config 2.0 and 1.3 s, no sooner) and, at head dims 48 and
-# 64, than the split kernel's own configs (which the first backward waited for after a first forward on 8 warps:
-# 0.3-1.1 s at hd48 on an H200 host, 0.01-0.08 s with the small tiles); at 256 columns with the split kernel's.
+# call"). Its halves stand in for the Gluon backward alike, with GLUON_STAND_IN's small tiles, which compile sooner
+# than the Gluon backward (sm_90a on a CPU at 128, with a score function: dK/dV 1.2 s, dQ 0.9 s, the Gluon
+# backward 2.0 s; the fused kernel's config 2.0 and 1.3 s, no sooner) and, at head dims 48 and 64, than the split
+# kernel's own configs (which the first backward waited for after a first forward on 8 warps: 0.3-1.1 s at hd48
+# on an H200 host, 0.01-0.08 s with the small tiles). At 256 columns (GLUON_STAND_IN_WIDE) a half's fp32 dK and dV
+# (or dQ) of 256 columns take 8 warps; with one stage its compile is the shortest measured (a window + score
+# function, sm_90a on a 2-core CPU, medians: dK/dV 1.7 s against 2.6 s with the split config, 64 x 128 tiles; dQ
+# 1.4 against 1.9 s with 128 x 32, 3 stages); a first causal backward at hd256 on an H200 host waited 0.5 s for the
+# split configs' halves, 0.02-0.03 s for these.
 GLUON_STAND_IN = KernelConfig(64, 32, 4, 2)
+GLUON_STAND_IN_WIDE = KernelConfig(64, 32, 8, 1)
 PREPROCESS = Launcher(_bwd_preprocess)
 BACKWARD = Launcher(_attn_bwd)
+
+
+def gluon_stand_in(plan: LaunchPlan) -> KernelConfig:
+    """The tiles of the Triton backward's halves where they stand in for the Gluon backward (before ``fit``)."""
+    return GLUON_STAND_IN if plan.config_key.columns < SPLIT_FROM_COLUMNS else GLUON_STAND_IN_WIDE
 
 
 def _kernels(plan: LaunchPlan) -> list[tuple[str, int]]:
@@ -695,11 +705,9 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
     if gluon is not None and gluon.compile_ahead(plan, q, k, v, mods, stats, stats_stride):
         # (without them, a new function's first backward waited for the Gluon backward's compile: on an H100 host
         # 1.0-1.2 s at head dim 64, 0.5-0.8 s at 128)
-        small = plan.config_key.columns < SPLIT_FROM_COLUMNS
-        configs = [fit(kernel, GLUON_STAND_IN, plan.backward_key) if small else planned(kernel, plan.backward_key)
-                   for kernel, _ in SPLIT]
-        if None not in configs and stand_ins and gluon.compiling(plan, q, k, v, out, mods, stats_stride):
-            stand_in("gluon_backward_stand_in", [(cfg, programs) for cfg, (_, programs) in zip(configs, SPLIT)])
+        if stand_ins and gluon.compiling(plan, q, k, v, out, mods, stats_stride):
+            stand_in("gluon_backward_stand_in", [(fit(kernel, gluon_stand_in(plan), plan.backward_key), programs)
+                                                 for kernel, programs in SPLIT])
         return
     for kernel, programs in kernels:
         cfg = planned(kernel, plan.backward_key)

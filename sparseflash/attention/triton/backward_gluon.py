@@ -51,6 +51,10 @@ and 192 warpgroup 0 does 2-4x warpgroup 1's dQ, dV and dK products.
 Constexpr flags:
   MASK_KIND      0 DENSE, 1 CAUSAL, 2 SPARSE (``plan.KIND_CODES``): query tiles 0.., those from the key tile's
                  first key on, or those of the blocks listed in the column tables (FULL_*, then PART_*).
+  RAGGED         DENSE or CAUSAL on lengths the tiles do not divide: the last key tile (a program's) and the
+                 last query tile of a walk end at kv_len and q_len (``gluon_tools.moved_back``), so that no TMA box
+                 reads past a head's rows; their scores shared with the tile before are dropped (``_probabilities``)
+                 and the program's keys shared with the tile before are not stored (``_store_dk_dv``).
   IS_CAUSAL      SPARSE only: the partial blocks are cut by q_idx >= kv_idx (top-left alignment).
   MASK_MOD, SCORE_MOD, SCORE_KEYS  the generated helpers (codegen.py) as in backward.py, or None: MASK_MOD
                  cuts the partial blocks too; dS is scaled by SCORE_MOD's derivative. A separable function's
@@ -69,8 +73,9 @@ query tile's first query - lse2), lse2 less the function's row terms (``_lse2_le
 by its derivative; dK = scale * sum dS^T Q, dQ = scale * sum dS K.
 
 Applies (``applies``) on Hopper with Triton >= 3.6 where ``gluon_tools.takes`` the inputs (query tiles of
-``BLOCK_M``, key tiles of ``KEY_TILE``: 128, 64 at 160-256), no captured tensor takes a gradient, and the
-layouts TMA can read; ``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS`` keys (by head dim) or more on
+``BLOCK_M``, key tiles of ``KEY_TILE``: 128, 64 at 160-256; DENSE and CAUSAL masks on lengths of at least a tile,
+SPARSE ones on lengths the tiles divide), no captured tensor takes a gradient, and the layouts TMA can read;
+``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS`` keys (by head dim) or more on
 average, "1" wherever it applies, "0" never.
 """
 
@@ -90,9 +95,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.forward_persistent import row_view_rows
-from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, named_sync,
-                                                      ring_index, row_view, row_view_coords, thread_barrier, tma_load,
-                                                      tma_reduce_add, walk_tile_start)
+from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, moved_back,
+                                                      named_sync, ring_index, row_view, row_view_coords,
+                                                      thread_barrier, tma_load, tma_reduce_add, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import key_steps, modded_scores, row_term
@@ -128,21 +133,24 @@ TABLE_STRIDE_ARGS = ["stride_num_b", "stride_num_h", "stride_num_n", "stride_idx
 
 
 @gluon.jit
-def _program_tile(heads, groups, kv_len, BLOCK_N: gl.constexpr):
-    """(batch * key/value head, batch, key/value head, first key) of this program: the key tiles of a head in
-    turn."""
-    tiles = kv_len // BLOCK_N
+def _program_tile(heads, groups, kv_len, BLOCK_N: gl.constexpr, RAGGED: gl.constexpr):
+    """(batch * key/value head, batch, key/value head, first key, first key of its own) of this program: the key
+    tiles of a head in turn. With RAGGED the last tile ends at kv_len (``moved_back``): its keys before the second
+    start are the tile before's."""
+    tiles = gl.cdiv(kv_len, BLOCK_N)
     bk = gl.program_id(0) // tiles
     kv_heads = heads // groups
-    return bk, bk // kv_heads, bk % kv_heads, (gl.program_id(0) % tiles) * BLOCK_N
+    kv_own = (gl.program_id(0) % tiles) * BLOCK_N
+    return bk, bk // kv_heads, bk % kv_heads, moved_back(kv_own, kv_len, BLOCK_N, RAGGED), kv_own
 
 
 @gluon.jit
 def _column(b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND: gl.constexpr,
             BLOCK_M: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
-    """The query tiles of head h (of batch b) that see the key tile at kv_start: (first, n_full, n_tiles,
-    full_idx, part_idx), tile t of the walk at ``gluon_tools.walk_tile_start``: DENSE every tile, CAUSAL
+    """The query tiles of head h (of batch b) that see the key tile at kv_start (the program's own keys'): (first,
+    n_full, n_tiles, full_idx, part_idx), tile t of the walk at ``gluon_tools.walk_tile_start`` (moved back to end
+    at q_len where RAGGED, ``moved_back``): DENSE every tile, CAUSAL
     the tiles from the key tile's first key on (first), SPARSE the tiles of the listed full blocks (n_full),
     then of the partial ones."""
     first = 0
@@ -154,25 +162,27 @@ def _column(b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, strid
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, SPARSE_BLOCK_M // BLOCK_M)
     elif MASK_KIND == 1:
         first = kv_start // BLOCK_M
-        n_tiles = gl.maximum(q_len // BLOCK_M - first, 0)
+        n_tiles = gl.maximum(gl.cdiv(q_len, BLOCK_M) - first, 0)
         n_full = 0
     else:
-        n_tiles = q_len // BLOCK_M
+        n_tiles = gl.cdiv(q_len, BLOCK_M)
         n_full = n_tiles
     return first, n_full, n_tiles, full_idx, part_idx
 
 
 @gluon.jit
-def _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_idx, kv_start, offs_kv, kv_first, keys, qk_scale, soft_scale,
-                   MODS, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
-                   SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr):
+def _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, kv_own, offs_kv, kv_first, keys,
+                   qk_scale, soft_scale, MODS, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                   MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr):
     """(P^T, dS^T's factor) of tile t of a walk from the products S^T (keys offs_kv x queries q_idx, a (1, queries)
-    row): p = exp2(s * soft_scale - lse2), or with SCORE_MOD of its base-2 scores at reference query q_start (lse2 is
-    less their row terms), its derivative the factor (1.0 without); 0 where CAUSAL's diagonal (the program's keys
-    from kv_start, BLOCK_N of them, across the query tile) or the partial blocks' cut (IS_CAUSAL, MASK_MOD) drop it."""
+    row): p = exp2(s * soft_scale - lse2), or with SCORE_MOD of its base-2 scores at reference query q_own, the
+    tile's first query of its own (lse2 is less their row terms there), its derivative the factor (1.0 without); 0
+    where CAUSAL's diagonal (the program's keys from kv_start, BLOCK_N of them, across the query tile) or the
+    partial blocks' cut (IS_CAUSAL, MASK_MOD) drop it, and (RAGGED) on the queries before q_own and the keys before
+    kv_own, which a tile moved back to end at q_len or kv_len shares with the tile before (``moved_back``)."""
     d_score = 1.0
     if SCORE_MOD is not None:
-        s_t, d_score = modded_scores(s_t, b, h, q_idx, offs_kv[:, None], q_start, kv_first, keys, qk_scale, MODS,
+        s_t, d_score = modded_scores(s_t, b, h, q_idx, offs_kv[:, None], q_own, kv_first, keys, qk_scale, MODS,
                                      SCORE_MOD, SCORE_KEYS)
     p_t = gl.exp2(s_t * soft_scale - lse2[None, :])
     if MASK_KIND == 1:
@@ -187,18 +197,24 @@ def _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_idx, kv_start, offs_kv
             else:
                 keep = q_idx >= offs_kv[:, None]
             p_t = gl.where(keep, p_t, 0.0)
+    if RAGGED:
+        if (q_start != q_own) | (kv_start != kv_own):  # a tile moved back
+            p_t = gl.where((offs_kv >= kv_own)[:, None] & (q_idx >= q_own), p_t, 0.0)
     return p_t, d_score
 
 
 @gluon.jit
-def _store_dk_dv(DK, DV, dk, dv, first_row, first_column, pitch, scale, layout: gl.constexpr):
+def _store_dk_dv(DK, DV, dk, dv, first_row, own_row, first_column, pitch, scale, layout: gl.constexpr):
     """Store a warpgroup's dK (times ``scale``) and dV (registers of ``layout``, (keys, columns)) at rows
-    first_row.. and columns first_column.. of DK and DV, seen as rows of ``pitch`` elements."""
+    first_row.. (those from own_row on: a key tile moved back to end at kv_len leaves the keys it shares with the
+    tile before to that tile's program) and columns first_column.. of DK and DV, seen as rows of ``pitch``
+    elements."""
     rows = first_row + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
     cols = first_column + gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
     offs = rows.to(gl.int64)[:, None] * pitch + cols[None, :]
-    gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty))
-    gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+    own = (rows >= own_row)[:, None]
+    gl.store(DK + offs, (dk * scale).to(DK.dtype.element_ty), mask=own)
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=own)
 
 
 @gluon.jit
@@ -208,7 +224,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
               stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
               stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride,
-              MASK_KIND: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+              MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
               SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr,
               DO_STAGES: gl.constexpr):
     """K and V of the program's key tile, then Q, dO, lse2 and delta of each query tile of its walk into the
@@ -221,7 +237,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
     K_BYTES: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
     Q_BYTES: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
     ROW_BYTES: gl.constexpr = Q_BYTES + lse_desc.block_type.nbytes  # a tile's Q and lse2 (dO and delta alike)
-    _, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
+    _, b, kv_head, kv_start, kv_own = _program_tile(heads, groups, kv_len, BLOCK_N, RAGGED)
     k_row, k_col = row_view_coords(b, kv_head, kv_start, stride_kb, stride_kh, stride_kn)
     v_row, v_col = row_view_coords(b, kv_head, kv_start, stride_vb, stride_vh, stride_vn)
     mbarrier.expect(kv_ready, 2 * (BLOCK_N // K_ROWS) * K_BYTES)
@@ -234,14 +250,15 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
     for g in range(groups):
         h = kv_head * groups + g
         first, n_full, n_tiles, full_idx, part_idx = _column(
-            b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
             SPARSE_BLOCK_N)
         stats_row = (b * heads + h) * stats_stride
         q_row, q_col = row_view_coords(b, h, 0, stride_qb, stride_qh, stride_qm)
         do_row, do_col = row_view_coords(b, h, 0, stride_dob, stride_doh, stride_dom)
         for t in range(n_tiles):
-            q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_own = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_start = moved_back(q_own, q_len, BLOCK_M, RAGGED)
             stage = ring_index(n, STAGES)
             mbarrier.wait(q_empty.index(stage), ((n // STAGES) - 1) & 1, pred=n >= STAGES)
             if DO_STAGES == 0:  # one barrier for the tile's four loads
@@ -271,9 +288,9 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
               dq_smem, dq2_smem, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM, FULL_IDX, PART_NUM,
               PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
               heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr, MASK_KIND: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
-              BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
+              RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
+              SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end
     (DK, DV: (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous; with HEAD_DIM2 their second part's
     columns in dk2 and dv2), and its part of each tile's dQ (``_dq_descriptors``), staged for ``_dq_writer`` in the
@@ -309,7 +326,7 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
         dq_keys = k2_smem
     else:
         dq_keys = k_smem.slice(DQ_COLUMN, DQ_COLUMNS, dim=1)
-    bk, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
+    bk, b, kv_head, kv_start, kv_own = _program_tile(heads, groups, kv_len, BLOCK_N, RAGGED)
     my_keys = k_smem.slice(WG * HALF_N, HALF_N)
     my_values = v_smem.slice(WG * HALF_N, HALF_N)
     my_keys2 = k2_smem.slice(WG * HALF_N, HALF_N)
@@ -339,12 +356,13 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
     for g in range(groups):
         h = kv_head * groups + g
         first, n_full, n_tiles, full_idx, part_idx = _column(
-            b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
             SPARSE_BLOCK_N)
         keys = key_steps(b, h, (offs_kv - kv_first)[:, None], MODS, SCORE_KEYS)  # 0.0 without a linear key term
         for t in range(n_tiles):
-            q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_own = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_start = moved_back(q_own, q_len, BLOCK_M, RAGGED)
             stage = n % STAGES
             q = q_smem.index(stage)
             do = do_smem.index(stage)
@@ -356,9 +374,9 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
             s_t = warpgroup_mma_wait(PARTS, deps=(s_t,))
             q_idx = (q_start + cols_q)[None, :]
             lse2 = lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))
-            p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_idx, kv_start, offs_kv, kv_first,
-                                          keys, qk_scale, soft_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD,
-                                          SCORE_KEYS, BLOCK_N)
+            p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, kv_own, offs_kv,
+                                          kv_first, keys, qk_scale, soft_scale, MODS, MASK_KIND, RAGGED, IS_CAUSAL,
+                                          MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N)
             p_op = gl.convert_layout(p_t.to(q.dtype), a_layout)
             dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
             ds_t = p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
@@ -409,9 +427,10 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
             mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
             n += 1
     first_row = bk * kv_len + kv_start + WG * HALF_N
-    _store_dk_dv(DK, DV, dk, dv, first_row, 0, HEAD_DIM + HEAD_DIM2, scale, kv_layout)
+    own_row = bk * kv_len + kv_own
+    _store_dk_dv(DK, DV, dk, dv, first_row, own_row, 0, HEAD_DIM + HEAD_DIM2, scale, kv_layout)
     if HEAD_DIM2 > 0:
-        _store_dk_dv(DK, DV, dk2, dv2, first_row, HEAD_DIM, HEAD_DIM + HEAD_DIM2, scale, kv2_layout)
+        _store_dk_dv(DK, DV, dk2, dv2, first_row, own_row, HEAD_DIM, HEAD_DIM + HEAD_DIM2, scale, kv2_layout)
 
 
 @gluon.jit
@@ -436,22 +455,23 @@ def _add_dq_tiles(dq_desc, dq2_desc, dq_smem, dq2_smem, row, WG: gl.constexpr, B
 @gluon.jit
 def _dq_writer(dq_desc, dq2_desc, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, dq_full, dq_empty, FULL_NUM, FULL_IDX,
                PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
-               heads, groups, q_len, kv_len, MASK_KIND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-               HEAD_DIM2: gl.constexpr):
+               heads, groups, q_len, kv_len, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr):
     """The program's walk as the consumers take it: each query tile's dQ tiles, as each consumer staged them
     (dq_full: dq_smemW / dq2_smemW's buffer n % 2 for tile n), added into the accumulator (``_add_dq_tiles``), and
     the buffers given back (dq_empty) once TMA has read them."""
-    _, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
+    _, b, kv_head, kv_start, kv_own = _program_tile(heads, groups, kv_len, BLOCK_N, RAGGED)
     n = 0  # query tiles added so far
     for g in range(groups):
         h = kv_head * groups + g
         first, n_full, n_tiles, full_idx, part_idx = _column(
-            b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
             SPARSE_BLOCK_N)
         for t in range(n_tiles):
-            q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_own = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_start = moved_back(q_own, q_len, BLOCK_M, RAGGED)
             row = (b * heads + h) * q_len + q_start
             buffer = n % 2
             mbarrier.wait(dq_full.index(buffer), (n // 2) & 1)
@@ -472,7 +492,7 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
                     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh,
                     stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
                     heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
-                    MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
+                    MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
                     SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
                     SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
                     STAGES: gl.constexpr):
@@ -538,24 +558,24 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
                      ds_smem, dq_smem0, dq2_smem0, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM,
                      FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
                      stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0, MASK_KIND,
-                     IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM,
-                     HEAD_DIM2, STAGES)),
+                     RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
+                     HEAD_DIM, HEAD_DIM2, STAGES)),
         (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
                      ds_smem, dq_smem1, dq2_smem1, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM,
                      FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
                      stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1, MASK_KIND,
-                     IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM,
-                     HEAD_DIM2, STAGES)),
+                     RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
+                     HEAD_DIM, HEAD_DIM2, STAGES)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc,
                      q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
                      kv_ready, q_ready, q_empty, q_ready, q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
                      stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n,
                      stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND,
-                     BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, 0)),
+                     RAGGED, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, 0)),
         (_dq_writer, (dq_desc, dq2_desc, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, dq_full, dq_empty, FULL_NUM,
                       FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
-                      stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, MASK_KIND, BLOCK_M, BLOCK_N,
+                      stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, MASK_KIND, RAGGED, BLOCK_M, BLOCK_N,
                       SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2)),
     # registers a thread: the consumers' dK, dV and tiles take 240, the producer's loads and the dQ writer's adds 24.
     # The producer is one warp for DENSE and CAUSAL, as the forward's (dense rows 1.03x as fast from S=16384 on an
@@ -571,10 +591,10 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
                    ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, dq_desc, DK, DV, FULL_NUM,
                    FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
                    stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr,
-                   MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
-                   SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-                   SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
-                   STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
+                   MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
+                   SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
     """Head dims 160-256 (``_attn_bwd_gluon_wide``): every key of the program's tile, and the columns of part WG
     (the first HEAD_DIM, or the HEAD_DIM2 after them): S^T and dP^T of query rows [WG * BLOCK_M / 2, ...) over
     the whole head dim, P and dS to shared memory, then its columns of dV, dK (stored at the end; DK, DV:
@@ -604,7 +624,7 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
         my_q = q2_smem
         my_do = do2_smem
         my_keys = k2_smem
-    bk, b, kv_head, kv_start = _program_tile(heads, groups, kv_len, BLOCK_N)
+    bk, b, kv_head, kv_start, kv_own = _program_tile(heads, groups, kv_len, BLOCK_N, RAGGED)
     offs_kv = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     cols_q = WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([BLOCK_N, HALF_M], gl.float32, s_layout)
@@ -620,13 +640,14 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
     for g in range(groups):
         h = kv_head * groups + g
         first, n_full, n_tiles, full_idx, part_idx = _column(
-            b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
             SPARSE_BLOCK_N)
         bh = b * heads + h
         keys = key_steps(b, h, (offs_kv - kv_start)[:, None], MODS, SCORE_KEYS)  # 0.0 without a linear key term
         for t in range(n_tiles):
-            q_start = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_own = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_start = moved_back(q_own, q_len, BLOCK_M, RAGGED)
             stage = ring_index(n, STAGES)
             do_stage = ring_index(n, DO_STAGES)
             mbarrier.wait(q_ready.index(stage), (n // STAGES) & 1)
@@ -639,9 +660,9 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
             s_t = warpgroup_mma_wait(2, deps=(s_t,))
             q_idx = (q_start + cols_q)[None, :]
             lse2 = lse_smem.index(stage).slice(WG * HALF_M, HALF_M).load(gl.SliceLayout(0, s_layout))
-            p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_idx, kv_start, offs_kv, kv_start,
-                                          keys, qk_scale, soft_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD,
-                                          SCORE_KEYS, BLOCK_N)
+            p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, kv_own, offs_kv,
+                                          kv_start, keys, qk_scale, soft_scale, MODS, MASK_KIND, RAGGED, IS_CAUSAL,
+                                          MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N)
             dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
             delta = delta_smem.index(do_stage).slice(WG * HALF_M, HALF_M).load(gl.SliceLayout(0, s_layout))
             ds_t = (p_t * (dp_t - delta[None, :]) * d_score).to(my_q.dtype)
@@ -676,7 +697,8 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
             dk = warpgroup_mma_wait(0, deps=(dk,))
             mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q of the tile
             n += 1
-    _store_dk_dv(DK, DV, dk, dv, bk * kv_len + kv_start, FIRST_COLUMN, HEAD_DIM + HEAD_DIM2, scale, acc_layout)
+    _store_dk_dv(DK, DV, dk, dv, bk * kv_len + kv_start, bk * kv_len + kv_own, FIRST_COLUMN, HEAD_DIM + HEAD_DIM2,
+                 scale, acc_layout)
     tma.store_wait(0)
 
 
@@ -686,7 +708,8 @@ def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_d
                          stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                          stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
                          stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
-                         MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
+                         MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                         MASK_MOD: gl.constexpr,
                          SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
                          SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
                          STAGES: gl.constexpr, DO_STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr):
@@ -737,13 +760,13 @@ def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_d
                           p_smem, ds_smem, dq_smem0, kv_ready, q_ready, q_empty, do_ready, do_empty, dq_desc, DK, DV,
                           FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n,
                           stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0,
-                          MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M,
+                          MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M,
                           SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES, DO_STAGES)),
         (_consumer_wide, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
                           p_smem, ds_smem, dq_smem1, kv_ready, q_ready, q_empty, do_ready, do_empty, dq2_desc, DK, DV,
                           FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n,
                           stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1,
-                          MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M,
+                          MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M,
                           SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES, DO_STAGES)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc,
                      q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
@@ -751,7 +774,7 @@ def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_d
                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
                      stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n,
                      stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND,
-                     BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, DO_STAGES)),
+                     RAGGED, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, DO_STAGES)),
     ], [4, 4 if MASK_KIND == 2 else 1], [240, 24])
 
 
@@ -779,7 +802,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
     at least AUTO_ROW_KEYS's. The layouts are checked at launch."""
     return not trains_captures and gluon_tools.chosen(q, k, mask, TILES, row_keys,
                                                       AUTO_ROW_KEYS.get(q.shape[3], math.inf), has_key_lengths,
-                                                      dropout)
+                                                      dropout, ragged=True)
 
 
 # ---------------------------------------------------------------------------------- launcher
@@ -831,10 +854,11 @@ def _stats(x: torch.Tensor, block_m: int) -> TensorDescriptor:
 
 
 @functools.lru_cache(maxsize=None)
-def _constexprs(mask_kind: int, causal: bool, sparse_block: tuple[int, int], parts: tuple[int, int],
+def _constexprs(mask_kind: int, ragged: bool, causal: bool, sparse_block: tuple[int, int], parts: tuple[int, int],
                 mods: tuple) -> dict:
     mask_mod, score_mod, score_keys = mods
-    return dict(MASK_KIND=mask_kind, IS_CAUSAL=causal, MASK_MOD=mask_mod, SCORE_MOD=score_mod, SCORE_KEYS=score_keys,
+    return dict(MASK_KIND=mask_kind, RAGGED=ragged, IS_CAUSAL=causal, MASK_MOD=mask_mod, SCORE_MOD=score_mod,
+                SCORE_KEYS=score_keys,
                 SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1],
                 HEAD_DIM=parts[0], HEAD_DIM2=parts[1], STAGES=STAGES, num_warps=4,
                 **dict(zip(("DO_STAGES", "DQ_BUFFERS"), WIDE_BUFFERS.get(sum(parts), ()))))
@@ -924,9 +948,9 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dq_acc, dk, dv, mods: tor
         _stats(stats[0], block_m), _stats(stats[1], block_m))
     tables, table_strides = plan.tables_of("q")
     return BACKWARD_GLUON_WIDE if q.shape[3] in WIDE else BACKWARD_GLUON, (
-        (plan.batch * plan.kv_heads * (plan.kv_len // key_tile),),
+        (plan.batch * plan.kv_heads * cdiv(plan.kv_len, key_tile),),
         (*descriptors, *dq_descs, lse_desc, delta_desc, dk, dv, *tables, mods),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *table_strides, plan.heads,
          plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
-        _constexprs(KIND_CODES[plan.kind], plan.causal, plan.sparse_block, parts,
-                    (plan.mask_mod, plan.score_mod, plan.score_keys)))
+        _constexprs(KIND_CODES[plan.kind], plan.q_len % block_m != 0 or plan.kv_len % key_tile != 0, plan.causal,
+                    plan.sparse_block, parts, (plan.mask_mod, plan.score_mod, plan.score_keys)))

@@ -28,7 +28,7 @@ Constexpr flags:
   MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW  the generated helpers (codegen.py) as in forward.py, or None:
                  MASK_MOD cuts the partial blocks too; a score function gives the tiles' base-2 scores.
   RAGGED_KEYS    DENSE or CAUSAL, kv_len not a multiple of BLOCK_N: the last key tile ends at kv_len, overlapping
-                 the tile before, whose keys it masks (``_key_start``); no load reads past a head's keys.
+                 the tile before, whose keys it masks (``gluon_tools.moved_back``); no load reads past a head's keys.
   BLOCK_N        key rows of a tile (``KEY_TILE``: 128, 64 at head dims 192 and 256).
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
   HEAD_DIM, HEAD_DIM2  the head dim, a power of two (HEAD_DIM2 = 0), or its two parts (``plan.head_dim_parts``:
@@ -71,8 +71,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from sparseflash.attention.kept_tensors import made_outside_graph_pools
 from sparseflash.attention.triton import gluon_tools
-from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, named_arrive,
-                                                      named_sync, row_view, row_view_coords, walk_tile_start)
+from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, moved_back,
+                                                      named_arrive, named_sync, row_view, row_view_coords,
+                                                      walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, key_steps, modded_scores, row_term
@@ -131,13 +132,14 @@ def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_
     reference query q_start (``tiles.modded_scores``; the products themselves without a score function), then
     -inf where the tile is past the unmasked ones (CAUSAL's diagonal, SPARSE's partial blocks) and the element
     is dropped by q_idx < kv_idx (CAUSAL, IS_CAUSAL) or by MASK_MOD (by either where both apply), and (RAGGED_KEYS)
-    where the last tile, moved back to end at kv_len (``_key_start``), overlaps the tile before. With
+    where the last tile, moved back to end at kv_len (``gluon_tools.moved_back``), overlaps the tile before. With
     SCORE_KEYS the scores less the key term's value at the tile's first key, ``shift`` (the item's
     ``_key_term``), which the softmax adds to the rows' max instead: a vector add per tile less; shift is 0.0
     otherwise."""
     shift = 0.0
     if SCORE_MOD is not None or MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None or RAGGED_KEYS:
-        kv_start = _key_start(t, n_full, full_idx, part_idx, kv_len, MASK_KIND, RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_N)
+        kv_start = moved_back(walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N),
+                              kv_len, BLOCK_N, RAGGED_KEYS)
         q_idx = offs_m[:, None]
         kv_idx = (kv_start + offs_n)[None, :]
         if SCORE_KEYS is not None:
@@ -162,20 +164,6 @@ def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_
                     keep = keep & new_key
                 s = gl.where(keep, s, float("-inf"))
     return s, shift
-
-
-@gluon.jit
-def _key_start(t, n_full, full_idx, part_idx, kv_len, MASK_KIND: gl.constexpr, RAGGED_KEYS: gl.constexpr,
-               BLOCK_N: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
-    """The first key of key tile t of a walk (``walk_tile_start``). With RAGGED_KEYS (DENSE or CAUSAL, kv_len not a
-    multiple of BLOCK_N and at least BLOCK_N) the last tile ends at kv_len, overlapping the tile before, whose keys
-    ``_scores`` masks in it: a tile past kv_len would read the rows after the head's keys (the next head's, or another
-    tensor's where the layout has gaps, whose values might be NaN; only TMA's reads past the tensor's end are zeros),
-    and a masked score's P = 0 times a NaN of V is NaN."""
-    kv_start = walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N)
-    if RAGGED_KEYS:
-        kv_start = gl.minimum(kv_start, kv_len - BLOCK_N)
-    return kv_start
 
 
 @gluon.jit
@@ -268,8 +256,8 @@ def _producer(load_args, MASK_KIND: gl.constexpr, LONGEST_FIRST: gl.constexpr, R
             load_box(q_desc, q2_desc, q_row + w * HALF_M, q_col, q_ready, q_smem.index(w), q2_smem.index(w), HEAD_DIM2)
         for t in range(gl.maximum(n_tiles, 1)):  # a row of no tile loads a first one, which the consumers mask
             stage = loads % STAGES
-            kv_start = _key_start(t, n_full, full_idx, part_idx, kv_len, MASK_KIND, RAGGED_KEYS, BLOCK_N,
-                                  SPARSE_BLOCK_N)
+            kv_start = moved_back(walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N,
+                                                  SPARSE_BLOCK_N), kv_len, BLOCK_N, RAGGED_KEYS)
             phase = ((loads // STAGES) - 1) & 1
             if K_EARLY:
                 mbarrier.wait(k_empty.index(stage), phase, pred=loads >= STAGES)

@@ -124,6 +124,19 @@ def walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND: gl.constexp
 
 
 @gluon.jit
+def moved_back(start, length, TILE: gl.constexpr, RAGGED: gl.constexpr):
+    """``start`` of a tile of TILE rows, moved back to end at ``length`` where it would run past it (RAGGED: lengths
+    the tiles do not divide, at least a tile long). A TMA box past a head's last row in a ``row_view`` reads the rows
+    after it: the next head's, or other memory where the layout has gaps (a slice of longer sequences), whose values
+    may be NaN, and a masked score's P = 0 times a NaN is NaN; only a box past the tensor's end reads zeros. The rows
+    the moved tile shares with the tile before are the caller's to mask."""
+    if RAGGED:
+        return gl.minimum(start, length - TILE)
+    else:
+        return start
+
+
+@gluon.jit
 def row_view_coords(b, h, row, stride_b, stride_h, stride_m):
     """(row, column) in a ``row_view`` (rows of pitch stride_m) of element (b, h, row, 0): the Gluon twin of
     forward_persistent.py's ``row_view_coords``, so that the Gluon kernels call only Gluon functions."""
@@ -162,13 +175,13 @@ def takes(q: torch.Tensor, k: torch.Tensor, mask, tiles: dict[int, tuple[int, in
     fp16/bf16, a head dim ``tiles`` lists, lengths that the tiles divide (SPARSE: that the mask blocks divide,
     blocks that the tiles divide: a walk takes every tile of a listed block, so a ragged last block would read
     past the lengths), no key_lengths or dropout. Mask and score functions they take (``tiles.modded_scores``).
-    ``ragged``: the kernel takes DENSE and CAUSAL masks on any lengths with at least a tile of keys (the Gluon
-    forward: its last key tile ends at the last key, ``forward_gluon._key_start``)."""
+    ``ragged``: the kernel takes DENSE and CAUSAL masks on any lengths of at least a tile (its last tile ends at the
+    last row, ``moved_back``)."""
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[3] not in tiles or has_key_lengths or dropout:
         return False
     lengths = (q.shape[2], k.shape[2])
     if ragged and mask.kind is not MaskKind.SPARSE:
-        return k.shape[2] >= tiles[q.shape[3]][1]
+        return all(length >= tile for length, tile in zip(lengths, tiles[q.shape[3]]))
     return all(length % tile == 0 for length, tile in zip(lengths, tiles[q.shape[3]])) and (
         mask.kind is not MaskKind.SPARSE or all(length % block == 0 and block % tile == 0 for length, block, tile in
                                                 zip(lengths, mask.block_size, tiles[q.shape[3]])))
