@@ -277,11 +277,12 @@ def test_gpu_gluon_backward_of_query_tiles_of_64(pattern, dim, monkeypatch):
 @pytest.mark.parametrize("dim, dtype", [(64, torch.float16), (80, torch.float16), (128, torch.bfloat16),
                                         (160, torch.bfloat16), (256, torch.bfloat16)],
                          ids=["d64-fp16", "d80-fp16", "d128-bf16", "d160-bf16", "d256-bf16"])
-@pytest.mark.parametrize("pattern", [p for p in MASKS if p != "causal"])
+@pytest.mark.parametrize("pattern", list(MASKS))
 def test_gpu_gluon_forward_many_items_a_program(pattern, dim, dtype, monkeypatch):
-    """Three programs for the 2 x 4 x 6 query tiles (16 each; 2 x 4 x 4 of 192 rows at head dim 64, 10-11 each):
-    the K/V ring, Q's buffer and the turns of the consumers carried from one work item to the next (CAUSAL masks
-    launch one item a program); the Gluon forward ran (no Triton forward standing in)."""
+    """Three programs for the 2 x 4 x 6 query tiles (16 each; 2 x 4 x 4 of 192 rows at head dim 64, 10-11 each; CAUSAL
+    and SPARSE rows of unequal lengths: as many key tiles each as the schedule could): the K/V ring, Q's buffer and
+    the turns of the consumers carried from one work item to the next; the Gluon forward ran (no Triton forward
+    standing in)."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon forward runs on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
@@ -548,6 +549,47 @@ def test_the_gluon_forward_takes_three_consumers_at_head_dims_48_and_64(case, di
     assert constexprs["WARPGROUPS"] == consumers
     n_items = scalars[-3]  # (..., q_len, kv_len, n_items, programs, qk_scale)
     assert scalars[-5:-3] == (q_len, q_len) and n_items == 2 * 4 * items and grid[0] <= n_items
+
+
+def _unequal_rows(q_len: int, kv_len: int, heads: int):
+    """128 x 128 blocks, row r of each head holding r + 1 random blocks (the longest over UNEQUAL_ROWS times the
+    mean)."""
+    layout = torch.zeros(heads, q_len // 128, kv_len // 128, dtype=torch.bool)
+    for h, r in itertools.product(range(heads), range(q_len // 128)):
+        layout[h, r, torch.randperm(kv_len // 128)[:r + 1]] = True
+    return from_layout(layout, block=(128, 128), q_len=q_len, kv_len=kv_len)
+
+
+@pytest.mark.parametrize("case, dim, q_len, kv_len", [
+    ("causal", 128, 700, 700), ("causal", 64, 1000, 1000), ("causal", 128, 300, 1000), ("causal", 256, 1024, 512),
+    ("unequal-rows", 128, 768, 768), ("dense", 128, 700, 700), ("butterfly", 128, 1024, 1024)])
+def test_the_gluon_forward_schedules_rows_of_unequal_lengths(case, dim, q_len, kv_len, monkeypatch):
+    """CAUSAL and SPARSE rows of unequal lengths (SCHEDULED): every work item in the schedule once, and no program's
+    key tiles more than the longest item's past the mean (greedy list scheduling's bound); DENSE and SPARSE rows of
+    equal lengths: items pid, pid + programs, ... (no schedule)."""
+    monkeypatch.setattr(forward_gluon, "multiprocessors", lambda device: 5)
+    q = torch.randn(2, 4, q_len, dim, dtype=torch.bfloat16)
+    k = torch.randn(2, 4, kv_len, dim, dtype=torch.bfloat16)
+    mask = _unequal_rows(q_len, kv_len, 4) if case == "unequal-rows" else make(case, q_len, kv_len)
+    plan = LaunchPlan(q, k, mask, False, dim ** -0.5, None)
+    grid, tensors, scalars, constexprs = forward_gluon._arguments(
+        plan, q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]), plan.mods_table(plan.captures(None)))
+    programs, n_items = grid[0], scalars[-3]
+    assert programs == 5 and constexprs["SCHEDULED"] == (case in ("causal", "unequal-rows"))
+    if not constexprs["SCHEDULED"]:
+        return
+    block_m, key_tile = constexprs["WARPGROUPS"] * 64, constexprs["BLOCK_N"]
+    m_tiles = -(-q_len // block_m)
+    if case == "causal":  # the keys up to each query tile's last row
+        row_tiles = [-(-min(kv_len, (t + 1) * block_m) // key_tile) for t in range(m_tiles)]
+        tiles = torch.tensor(row_tiles).repeat(2 * 4)
+    else:
+        tiles = mask.layout.sum(-1).expand(2, 4, -1).flatten()  # 128 x 128 blocks: a key tile a block
+    schedule = tensors[-2].tolist()
+    starts, items = schedule[:programs + 1], schedule[programs + 1:]
+    assert starts[0] == programs + 1 and starts[-1] == len(schedule) and sorted(items) == list(range(n_items))
+    loads = [sum(tiles[item].item() for item in schedule[starts[p]:starts[p + 1]]) for p in range(programs)]
+    assert max(loads) - sum(loads) / programs <= tiles.max().item() + forward_gluon.ITEM_COST, loads
 
 
 def test_gluon_backward_auto_takes_rows_of_many_keys(monkeypatch):
