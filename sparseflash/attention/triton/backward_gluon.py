@@ -709,10 +709,10 @@ def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_d
                          stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
                          stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
                          MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                         MASK_MOD: gl.constexpr,
-                         SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-                         SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
-                         STAGES: gl.constexpr, DO_STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+                         MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
+                         SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.constexpr,
+                         DQ_BUFFERS: gl.constexpr):
     """The backward at head dims 160-256: one program per (batch, key/value head, 64-key tile), the arguments
     as ``_attn_bwd_gluon``'s with K and V in boxes of the whole tile, always two parts (``WIDE``), and dq_desc,
     dq2_desc in boxes of at most 64 columns: dK and dV of 64 keys x 160-256 columns do not fit one warpgroup's
