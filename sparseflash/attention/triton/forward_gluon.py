@@ -113,8 +113,8 @@ THREE_PADDING = 0.125
 UNEQUAL_ROWS = 1.25  # SPARSE rows whose longest has this many times the mean blocks: items scheduled (``_schedule``)
 # What an item costs a program besides its key tiles, in key tiles (``_schedule``): its Q load, stores and the wait
 # for its first tile. Causal forward on an H200 against one item a program: counted as 0, hd128 S=4096 ran
-# 1.05-1.06x the time; as 1, hd64 S=2304 1.09-1.10x (unexplained: the other shapes ran as with 0.5); as 0.5,
-# 0.93-1.00x everywhere measured (hd64 and hd128, S 2304-16384)
+# 1.05-1.06x the time; as 1, hd64 S=2304 1.09-1.10x (one program then took 64 of the shortest items, the others
+# 12-24; not understood further); as 0.5, 0.93-1.00x everywhere measured (hd64 and hd128, S 2304-16384)
 ITEM_COST = 0.5
 
 
