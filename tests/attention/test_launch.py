@@ -576,8 +576,8 @@ def test_a_first_backward_at_head_dim_128_runs_the_halves_while_the_fused_kernel
 @pytest.mark.parametrize("dim", [64, 96, 128, 192, 256], ids=["d64", "d96", "d128", "d192", "d256"])
 def test_a_first_backward_runs_the_triton_halves_while_the_gluon_backward_compiles(dim, monkeypatch):
     """A new score function on causal rows the Gluon backward takes: the first backward runs the Triton
-    backward's halves (head dims 64 and 256: the split kernel's configs; 96-192: ``backward.GLUON_STAND_IN``'s small
-    tiles), compiled ahead beside the Gluon backward; a later one the Gluon backward; every gradient against the
+    backward's halves (``backward.gluon_stand_in``: GLUON_STAND_IN's small tiles, GLUON_STAND_IN_WIDE's at 256),
+    compiled ahead beside the Gluon backward; a later one the Gluon backward; every gradient against the
     reference. Rows long enough for "auto" to take the Gluon backward at the head dim."""
     from sparseflash.attention.triton import backward, backward_gluon
     from sparseflash.attention.triton.launch import gluon_hopper
@@ -602,10 +602,9 @@ def test_a_first_backward_runs_the_triton_halves_while_the_gluon_backward_compil
         programs = {half["PROGRAMS"] for half in halves}
         assert not launched and programs == {1, 2}, (
             f"the first backward launched the Gluon backward ({launched}) or PROGRAMS {programs}, not the halves")
-        if dim not in (64, 256):  # the Triton backward is fused at 96-192
-            small = backward.GLUON_STAND_IN
-            assert all((half["BLOCK_M"], half["BLOCK_N"], half["num_warps"]) == (small.block_m, small.block_n,
-                                                                                 small.num_warps) for half in halves)
+        small = backward.GLUON_STAND_IN if dim < 256 else backward.GLUON_STAND_IN_WIDE
+        assert all((half["BLOCK_M"], half["BLOCK_N"], half["num_warps"]) == (small.block_m, small.block_n,
+                                                                             small.num_warps) for half in halves)
 
     seq = 2 * backward_gluon.AUTO_ROW_KEYS[dim]  # causal rows of half as many keys on average, and a tile
     q, k, v = (torch.randn(2, 4, seq + 128, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
