@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import math
 
 import torch
@@ -641,12 +642,11 @@ def _schedule(plan, consumers: int, key_tile: int, programs: int) -> torch.Tenso
     program: 0.93-0.96x the time at S=2304, 0.95-0.96x at 3000, 0.96x at 4096, 0.97-0.99x at 7000, 1.00x at
     16384 (hd64 and hd128). Items dealt out in turn instead (item pid + i * programs) gave program p the query tiles
     p, p + 4, ... of each head's 128 at S=16384, only long or only short rows (0.72x as fast)."""
-    kept = plan.per_layout.setdefault("gluon_schedule", {})
-    key = consumers, key_tile, programs
-    if key not in kept:
-        kept[key] = made_outside_graph_pools(lambda: _greedy_schedule(plan, consumers, key_tile, programs),
-                                             plan.placeholder.device)
-    return kept[key]
+    kept = plan.per_layout.setdefault("gluon_schedule", {})  # by programs (consumers and key_tile follow the plan)
+    if programs not in kept:
+        kept[programs] = made_outside_graph_pools(lambda: _greedy_schedule(plan, consumers, key_tile, programs),
+                                                  plan.placeholder.device)
+    return kept[programs]
 
 
 def _item_tiles(plan, consumers: int, key_tile: int) -> torch.Tensor | None:
@@ -681,11 +681,9 @@ def _greedy_schedule(plan, consumers: int, key_tile: int, programs: int) -> torc
     loads = [(0, p) for p in range(programs)]
     taken = [[] for _ in range(programs)]
     for item, cost in zip(items, costs):
-        load, p = heapq.heappop(loads)
+        load, p = loads[0]
         taken[p].append(item)
-        heapq.heappush(loads, (load + cost, p))
-    starts = [programs + 1]
-    for program_items in taken:
-        starts.append(starts[-1] + len(program_items))
-    flat = starts + [item for program_items in taken for item in program_items]
+        heapq.heapreplace(loads, (load + cost, p))
+    starts = itertools.accumulate((len(program_items) for program_items in taken), initial=programs + 1)
+    flat = [*starts, *itertools.chain.from_iterable(taken)]
     return torch.tensor(flat, dtype=torch.int32, device=plan.placeholder.device)
