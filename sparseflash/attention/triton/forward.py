@@ -45,7 +45,7 @@ from sparseflash.attention.triton.launch import (STAND_IN_FROM_CPUS, Launcher, S
 from sparseflash.attention.triton.plan import LaunchPlan, gluon_kernels
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, ROW_LENGTH_ARGS, forward_row, load_head_parts, load_seed,
                                                 row_tile_ranges, second_part_columns, store_head_parts)
-from sparseflash.attention.triton.tuning import ConfigKey, KernelConfig, candidates, planned, run_tuned
+from sparseflash.attention.triton.tuning import ConfigKey, KernelConfig, candidates, fit, planned, run_tuned
 
 
 @triton.jit(do_not_specialize=[*ROW_LENGTH_ARGS, *DROPOUT_ARGS])
@@ -181,16 +181,23 @@ def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, 
 
 
 WARPGROUP_ROWS = 64  # query rows of a Hopper warpgroup's product (wgmma's m64)
+# The stand-in's key tile and stages (``stand_in_config``): 32 keys and one stage compiled in 0.6-0.85x the time of
+# the first candidate's 64 keys and 2-3 stages (a window + score function, sm_90a on a 2-core CPU, medians: hd256
+# 1.65 against 2.17 s, hd192 1.64 / 2.50, hd160 1.38 / 2.18, hd128 1.14 / 1.47, hd64 0.84 / 1.02)
+STAND_IN_KEYS, STAND_IN_STAGES = 32, 1
 
 
 def stand_in_config(key: ConfigKey) -> KernelConfig:
     """The config of the Triton forward where it stands in for the Gluon forward (it runs a few calls; its compile
     is what the first call waits for): the first candidate that is not persistent (the persistent forward's warp
     specialisation compiles in ~1.5x the time: a window + score function at head dim 128, 1.84 against 1.27 s for
-    sm_90a on a CPU), on a warpgroup for each 64 rows of its tile. One warpgroup holding 128 rows issues two
-    products for each of the tile's: 128 x 64 tiles on 4 warps compiled in 1.1-1.7x the time of 8 warps (a window
-    + score function at head dims 48-96; docs/kernels.md, "The first call")."""
+    sm_90a on a CPU), on tiles of STAND_IN_KEYS keys with STAND_IN_STAGES, and a warpgroup for each 64 rows of its
+    tile. One warpgroup holding 128 rows issues two products for each of the tile's: 128 x 64 tiles on 4 warps
+    compiled in 1.1-1.7x the time of 8 warps (a window + score function at head dims 48-96; docs/kernels.md, "The
+    first call")."""
     cfg = candidates("forward", dataclasses.replace(key, persistent=""))[0]
+    cfg = fit("forward", dataclasses.replace(cfg, block_n=min(cfg.block_n, STAND_IN_KEYS), num_stages=STAND_IN_STAGES),
+              key)
     return dataclasses.replace(cfg, num_warps=max(cfg.num_warps, cfg.block_m // WARPGROUP_ROWS * 4))
 
 
