@@ -802,7 +802,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
     at least AUTO_ROW_KEYS's. The layouts are checked at launch."""
     return not trains_captures and gluon_tools.chosen(q, k, mask, TILES, row_keys,
                                                       AUTO_ROW_KEYS.get(q.shape[3], math.inf), has_key_lengths,
-                                                      dropout, ragged=True)
+                                                      dropout, ragged=(True, True))
 
 
 # ---------------------------------------------------------------------------------- launcher

@@ -552,7 +552,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
     thresholds = AUTO_ROW_KEYS_THREE if warpgroups(mask.kind, dim, functions, q.shape[2]) == 3 else AUTO_ROW_KEYS
     return not special_per_score and gluon_tools.chosen(
         q, k, mask, TILES, row_keys, thresholds.get((dim, mask.kind is MaskKind.CAUSAL), math.inf), has_key_lengths,
-        dropout, ragged=True)
+        dropout, ragged=(False, True))  # a query tile past q_len: its rows past it are computed, not stored
 
 
 def warpgroups(kind: MaskKind, head_dim: int, functions: bool, q_len: int) -> int:

@@ -170,25 +170,26 @@ def row_view(x: torch.Tensor, rows: int, block_rows: int, columns: int | None = 
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, mask, tiles: dict[int, tuple[int, int]], has_key_lengths: bool,
-          dropout: bool, ragged: bool = False) -> bool:
+          dropout: bool, ragged: tuple[bool, bool] = (False, False)) -> bool:
     """Whether a Gluon kernel of (query, key) tiles ``tiles[head dim]`` can compute these inputs and mask:
     fp16/bf16, a head dim ``tiles`` lists, lengths that the tiles divide (SPARSE: that the mask blocks divide,
     blocks that the tiles divide: a walk takes every tile of a listed block, so a ragged last block would read
     past the lengths), no key_lengths or dropout. Mask and score functions they take (``tiles.modded_scores``).
-    ``ragged``: the kernel takes DENSE and CAUSAL masks on any lengths of at least a tile (its last tile ends at the
-    last row, ``moved_back``)."""
+    ``ragged`` (queries, keys): the sides whose last tile the kernel moves back to end at the last row
+    (``moved_back``); it then takes DENSE and CAUSAL masks on any lengths with a tile of those sides."""
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[3] not in tiles or has_key_lengths or dropout:
         return False
     lengths = (q.shape[2], k.shape[2])
-    if ragged and mask.kind is not MaskKind.SPARSE:
-        return all(length >= tile for length, tile in zip(lengths, tiles[q.shape[3]]))
+    if any(ragged) and mask.kind is not MaskKind.SPARSE:
+        return all(length >= tile for length, tile, moved in zip(lengths, tiles[q.shape[3]], ragged) if moved)
     return all(length % tile == 0 for length, tile in zip(lengths, tiles[q.shape[3]])) and (
         mask.kind is not MaskKind.SPARSE or all(length % block == 0 and block % tile == 0 for length, block, tile in
                                                 zip(lengths, mask.block_size, tiles[q.shape[3]])))
 
 
 def chosen(q: torch.Tensor, k: torch.Tensor, mask, tiles: dict[int, tuple[int, int]], row_keys: float,
-           auto_row_keys: float, has_key_lengths: bool, dropout: bool, ragged: bool = False) -> bool:
+           auto_row_keys: float, has_key_lengths: bool, dropout: bool,
+           ragged: tuple[bool, bool] = (False, False)) -> bool:
     """Whether calls take a Gluon kernel of (query, key) tiles ``tiles[head dim]``: with ``SPARSEFLASH_GLUON`` "1"
     wherever it ``takes`` them (``ragged``: as there), "auto" there on rows of ``row_keys`` >= ``auto_row_keys``
     keys on average (where it was measured faster), "0" never."""
