@@ -373,7 +373,7 @@ def test_gpu_gluon_forward_odd_key_tiles_across_items(pattern, monkeypatch):
     k, v = (torch.randn(2, 2, 320, 256, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     if pattern == "dense":
         mask = make("dense", 768, 320)
-    else:  # rows of 3 blocks but one empty: 1.2x the mean at most, so programs take many items (UNEQUAL_ROWS)
+    else:  # rows of 3 blocks but one empty: 1.2x the mean at most (UNEQUAL_LINES), so programs take many items
         layout = torch.zeros(4, 6, 5, dtype=torch.bool)
         for row in (0, 1, 2, 3, 5):
             layout[:, row, torch.randperm(5)[:3]] = True
@@ -557,7 +557,7 @@ def test_the_gluon_forward_takes_three_consumers_at_head_dims_48_and_64(case, di
 
 
 def _unequal_rows(q_len: int, kv_len: int, heads: int):
-    """128 x 128 blocks, row r of each head holding r + 1 random blocks (the longest over UNEQUAL_ROWS times the
+    """128 x 128 blocks, row r of each head holding r + 1 random blocks (the longest over UNEQUAL_LINES times the
     mean)."""
     layout = torch.zeros(heads, q_len // 128, kv_len // 128, dtype=torch.bool)
     for h, r in itertools.product(range(heads), range(q_len // 128)):
@@ -590,11 +590,17 @@ def test_the_gluon_forward_schedules_rows_of_unequal_lengths(case, dim, q_len, k
         tiles = torch.tensor(row_tiles).repeat(2 * 4)
     else:
         tiles = mask.layout.sum(-1).expand(2, 4, -1).flatten()  # 128 x 128 blocks: a key tile a block
-    schedule = tensors[-2].tolist()
+    _assert_greedy_schedule(tensors[-2].tolist(), programs, n_items, tiles, forward_gluon.ITEM_COST)
+
+
+def _assert_greedy_schedule(schedule: list[int], programs: int, n_items: int, tiles: torch.Tensor, item_cost: float):
+    """A ``work_schedule`` table lists every item once, and its programs' loads (tiles, at least one an item, and
+    item_cost each) keep greedy list scheduling's bound: none past the mean by more than the longest item's cost."""
     starts, items = schedule[:programs + 1], schedule[programs + 1:]
     assert starts[0] == programs + 1 and starts[-1] == len(schedule) and sorted(items) == list(range(n_items))
-    loads = [sum(tiles[item].item() for item in schedule[starts[p]:starts[p + 1]]) for p in range(programs)]
-    assert max(loads) - sum(loads) / programs <= tiles.max().item() + forward_gluon.ITEM_COST, loads
+    costs = tiles.clamp(min=1) + item_cost
+    loads = [sum(costs[item].item() for item in schedule[starts[p]:starts[p + 1]]) for p in range(programs)]
+    assert max(loads) - sum(loads) / programs <= costs.max().item(), loads
 
 
 def test_gluon_backward_auto_takes_rows_of_many_keys(monkeypatch):

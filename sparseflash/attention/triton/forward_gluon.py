@@ -62,8 +62,6 @@ dropout, no score function that evaluates exp, log, tanh or sqrt per score, and 
 from __future__ import annotations
 
 import functools
-import heapq
-import itertools
 import math
 
 import torch
@@ -71,7 +69,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
-from sparseflash.attention.kept_tensors import made_outside_graph_pools
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, moved_back,
                                                       named_arrive, named_sync, row_view, row_view_coords,
@@ -79,6 +76,7 @@ from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, liste
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, key_steps, modded_scores, row_term
+from sparseflash.attention.triton.work_schedule import UNEQUAL_LINES, kept_schedule, program_items, scheduled_item
 from sparseflash.masks import MaskKind
 
 HALF_M = 64  # query rows of a consumer warpgroup
@@ -111,7 +109,6 @@ AUTO_ROW_KEYS_THREE = {(64, True): 4096, (64, False): 2048, (48, True): 2048, (4
 # three/two = 0.85 x that ratio of rows (256 queries, 384 rows against 256: 1.23x; 640, 768 against 640: 1.01x; 512,
 # 576 against 512: 0.96x; 320, 384 either way: 0.84x), so the break-even is ~1/6 and an eighth keeps a margin
 THREE_PADDING = 0.125
-UNEQUAL_ROWS = 1.25  # SPARSE rows whose longest has this many times the mean blocks: items scheduled (``_schedule``)
 # What an item costs a program besides its key tiles, in key tiles (``_schedule``): its Q load, stores and the wait
 # for its first tile. Causal forward on an H200 against one item a program: counted as 0, hd128 S=4096 ran
 # 1.05-1.06x the time; as 1, hd64 S=2304 1.09-1.10x (one program then took 64 of the shortest items, the others
@@ -193,17 +190,6 @@ def _safe_max(m, MAY_BE_EMPTY: gl.constexpr):
 
 
 @gluon.jit
-def _program_items(SCHEDULE, n_items, num_programs, SCHEDULED: gl.constexpr):
-    """(first, end, step) of the program's loop over its items: SCHEDULE's entries SCHEDULE[pid] to
-    SCHEDULE[pid + 1] (``_schedule``), or items pid, pid + num_programs, ... of the n_items."""
-    pid = gl.program_id(0)
-    if SCHEDULED:
-        return gl.load(SCHEDULE + pid), gl.load(SCHEDULE + pid + 1), 1
-    else:
-        return pid, n_items, num_programs
-
-
-@gluon.jit
 def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, stride_num_b, stride_num_h, stride_num_m,
                stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND: gl.constexpr,
                SCHEDULED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -212,8 +198,7 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, stride_nu
     the query tiles of each (batch, head) in turn. Its (batch, head) bh, first query q_start, unmasked key tiles
     n_full, key tiles n_tiles and (SPARSE) the row tables' entries of its mask row."""
     m_tiles = gl.cdiv(q_len, BLOCK_M)
-    if SCHEDULED:
-        item = gl.load(SCHEDULE + item)
+    item = scheduled_item(SCHEDULE, item, SCHEDULED)
     bh = item // m_tiles
     q_start = (item % m_tiles) * BLOCK_M
     full_idx = FULL_IDX
@@ -254,7 +239,7 @@ def _producer(load_args, MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, RAGGE
     V_BYTES: gl.constexpr = v_desc.block_type.nbytes + (v2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
     loads = 0  # key tiles loaded so far: the ring's position
     i = 0  # work items so far: the phase of q_empty
-    first, end, step = _program_items(SCHEDULE, n_items, num_programs, SCHEDULED)
+    first, end, step = program_items(SCHEDULE, n_items, num_programs, SCHEDULED)
     for item in range(first, end, step):
         bh, q_start, n_full, n_tiles, full_idx, part_idx = _work_item(
             item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, stride_num_b, stride_num_h, stride_num_m,
@@ -339,7 +324,7 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
     # warpgroup 0 takes a last turn after the last item, so that no arrival can meet another of the same warpgroup
     if WG == WARPGROUPS - 1:
         turn = named_arrive(8, turn)
-    first, end, step = _program_items(SCHEDULE, n_items, num_programs, SCHEDULED)
+    first, end, step = program_items(SCHEDULE, n_items, num_programs, SCHEDULED)
     for item in range(first, end, step):
         bh, q_start, n_full, n_tiles, full_idx, part_idx = _work_item(
             item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, stride_num_b, stride_num_h, stride_num_m,
@@ -467,11 +452,11 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
                     SCORE_ROW: gl.constexpr, RAGGED_KEYS: gl.constexpr, BLOCK_N: gl.constexpr,
                     SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                     HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, WARPGROUPS: gl.constexpr):
-    """The program's work items (batch, head, query tile) (``_program_items``, ``_work_item``). q/k/v_desc read
-    Q, K, V as ``row_view`` matrices (rows of pitch stride_*m, element (b, h, s, 0) at row
-    (b * stride_b + h * stride_h) // pitch + s and column (...) % pitch) in boxes of HEAD_DIM columns, q2/k2/v2_desc
-    the HEAD_DIM2 columns after them (the same descriptors, unused, without a second part); O (B, H, q_len,
-    HEAD_DIM + HEAD_DIM2) and LSE (B, H, q_len) are contiguous."""
+    """The program's work items (batch, head, query tile) (``work_schedule.program_items``, ``_work_item``). q/k/v_desc
+    read Q, K, V as ``row_view`` matrices (rows of pitch stride_*m, element (b, h, s, 0) at row (b * stride_b + h *
+    stride_h) // pitch + s and column (...) % pitch) in boxes of HEAD_DIM columns, q2/k2/v2_desc the HEAD_DIM2 columns
+    after them (the same descriptors, unused, without a second part); O (B, H, q_len, HEAD_DIM + HEAD_DIM2) and LSE (B,
+    H, q_len) are contiguous."""
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [WARPGROUPS, HALF_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -630,23 +615,18 @@ def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
 
 
 def _schedule(plan, consumers: int, key_tile: int, programs: int) -> torch.Tensor | None:
-    """The work items of each program where rows differ in length (CAUSAL, and SPARSE masks whose longest row of
-    blocks has over UNEQUAL_ROWS times the mean), else None (items pid, pid + programs, ...). int32: STARTS
-    (programs + 1 entries), then the items, program after program (bh * query tiles + query tile): program p takes
-    entries STARTS[p] to STARTS[p + 1]. Kept in the plan.
+    """The table of each program's work items (``work_schedule``: item bh * query tiles + query tile) where rows
+    differ in length (CAUSAL, and SPARSE masks whose longest row of blocks has over ``work_schedule.UNEQUAL_LINES``
+    times the mean), else None (items pid, pid + programs, ...). Kept in the plan.
 
     The items of each (batch, head) in turn, the longest rows first, each go to the program whose items so far cost
-    least (``_greedy_schedule``): the order in which the GPU hands out one item a program as programs end, but a
-    program per multiprocessor loads each next item's Q and first key tiles under the current item's products,
-    where a program launched for each item waited for them. Causal forward on an H200, against one item a
-    program: 0.93-0.96x the time at S=2304, 0.95-0.96x at 3000, 0.96x at 4096, 0.97-0.99x at 7000, 1.00x at
-    16384 (hd64 and hd128). Items dealt out in turn instead (item pid + i * programs) gave program p the query tiles
-    p, p + 4, ... of each head's 128 at S=16384, only long or only short rows (0.72x as fast)."""
-    kept = plan.per_layout.setdefault("gluon_schedule", {})  # by programs (consumers and key_tile follow the plan)
-    if programs not in kept:
-        kept[programs] = made_outside_graph_pools(lambda: _greedy_schedule(plan, consumers, key_tile, programs),
-                                                  plan.placeholder.device)
-    return kept[programs]
+    least (``work_schedule.greedy_schedule``, an item costing ITEM_COST besides its key tiles). Causal forward on an
+    H200, against one item a program: 0.93-0.96x the time at S=2304, 0.95-0.96x at 3000, 0.96x at 4096,
+    0.97-0.99x at 7000, 1.00x at 16384 (hd64 and hd128). Items dealt out in turn instead (item pid + i * programs)
+    gave program p the query tiles p, p + 4, ... of each head's 128 at S=16384, only long or only short rows (0.72x
+    as fast)."""
+    # kept by programs (consumers and key_tile follow the plan)
+    return kept_schedule(plan, "gluon_schedule", programs, lambda: _item_tiles(plan, consumers, key_tile), ITEM_COST)
 
 
 def _item_tiles(plan, consumers: int, key_tile: int) -> torch.Tensor | None:
@@ -660,30 +640,10 @@ def _item_tiles(plan, consumers: int, key_tile: int) -> torch.Tensor | None:
         return None
     full_num, _, part_num, _ = plan.tables_of("kv")[0]
     blocks = (full_num + part_num).float().cpu()  # (heads or batch, heads, rows) of the layout
-    if blocks.amax().item() <= UNEQUAL_ROWS * blocks.mean().item():
+    if blocks.amax().item() <= UNEQUAL_LINES * blocks.mean().item():
         return None
     per_block = (plan.sparse_block[0] // block_m, plan.sparse_block[1] // key_tile)
     tiles = blocks.repeat_interleave(per_block[0], dim=-1)[..., :m_tiles] * per_block[1]
     while tiles.dim() < 3:
         tiles = tiles.unsqueeze(0)
     return tiles.expand(plan.batch, plan.heads, -1).reshape(plan.batch * plan.heads, m_tiles)
-
-
-def _greedy_schedule(plan, consumers: int, key_tile: int, programs: int) -> torch.Tensor | None:
-    """``_schedule``'s table, made: each item, in turn, to the program of least cost so far (a heap of them); an
-    item costs its key tiles (a row of none computes one) and ITEM_COST."""
-    tiles = _item_tiles(plan, consumers, key_tile)
-    if tiles is None:
-        return None
-    order = torch.argsort(tiles, dim=-1, descending=True, stable=True)
-    items = (order + torch.arange(tiles.shape[0])[:, None] * tiles.shape[1]).flatten().tolist()
-    costs = (torch.gather(tiles, 1, order).clamp(min=1) + ITEM_COST).flatten().tolist()
-    loads = [(0, p) for p in range(programs)]
-    taken = [[] for _ in range(programs)]
-    for item, cost in zip(items, costs):
-        load, p = loads[0]
-        taken[p].append(item)
-        heapq.heapreplace(loads, (load + cost, p))
-    starts = itertools.accumulate((len(program_items) for program_items in taken), initial=programs + 1)
-    flat = [*starts, *itertools.chain.from_iterable(taken)]
-    return torch.tensor(flat, dtype=torch.int32, device=plan.placeholder.device)
