@@ -98,11 +98,9 @@ from sparseflash.attention.triton.forward_persistent import row_view_rows
 from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, moved_back,
                                                       named_sync, ring_index, row_view, row_view_coords,
                                                       thread_barrier, tma_load, tma_reduce_add, walk_tile_start)
-from sparseflash.attention.triton.launch import Launcher, Standin, cdiv, multiprocessors
+from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import key_steps, modded_scores, row_term
-from sparseflash.attention.triton.work_schedule import UNEQUAL_LINES, kept_schedule, program_items, scheduled_item
-from sparseflash.masks import MaskKind
 
 # query rows of a streamed tile, by head dim (FlashAttention-4's at 64 and 128; head dims in two parts,
 # plan.head_dim_parts, as the power of two above them: at 80 and 96 a consumer's dK and dV (80-96 registers a
@@ -130,24 +128,19 @@ STAGES = 2
 # at 160 and 192 (_attn_bwd_gluon_wide) 1.00-1.11x from 1,088 keys (CAUSAL S=2048), 0.95x at 1,024 (DENSE S=1024);
 # at 256 1.04-1.24x from 576 keys (CAUSAL S=1024), not measured below
 AUTO_ROW_KEYS = {48: 512, 64: 1024, 80: 576, 96: 576, 128: 1024, 160: 1088, 192: 1088, 256: 576}
-# the column tables' strides and the number of items and programs change with the lengths: new lengths compile nothing
-# new
+# the column tables' strides change with the lengths: new lengths compile nothing new
 TABLE_STRIDE_ARGS = ["stride_num_b", "stride_num_h", "stride_num_n", "stride_idx_b", "stride_idx_h", "stride_idx_n"]
-SCHEDULE_ARGS = ["n_items", "num_programs"]
-# What an item costs a program besides its query tiles, in query tiles (``_schedule``): its K and V load, dK and dV
-# stores and the wait for its first tile
-ITEM_COST = 0.5
 
 
 @gluon.jit
-def _program_tile(item, heads, groups, kv_len, BLOCK_N: gl.constexpr, RAGGED: gl.constexpr):
-    """(batch * key/value head, batch, key/value head, first key, first key of its own) of work item ``item``
-    (batch * key/value head * key tiles + key tile). With RAGGED the last tile ends at kv_len (``moved_back``): its
-    keys before the second start are the tile before's."""
+def _program_tile(heads, groups, kv_len, BLOCK_N: gl.constexpr, RAGGED: gl.constexpr):
+    """(batch * key/value head, batch, key/value head, first key, first key of its own) of this program: the key
+    tiles of a head in turn. With RAGGED the last tile ends at kv_len (``moved_back``): its keys before the second
+    start are the tile before's."""
     tiles = gl.cdiv(kv_len, BLOCK_N)
-    bk = item // tiles
+    bk = gl.program_id(0) // tiles
     kv_heads = heads // groups
-    kv_own = (item % tiles) * BLOCK_N
+    kv_own = (gl.program_id(0) % tiles) * BLOCK_N
     return bk, bk // kv_heads, bk % kv_heads, moved_back(kv_own, kv_len, BLOCK_N, RAGGED), kv_own
 
 
@@ -226,17 +219,16 @@ def _store_dk_dv(DK, DV, dk, dv, first_row, own_row, first_column, pitch, scale,
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc, q_smem,
-              do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, kv_ready, kv_empty,
-              q_ready, q_empty, do_ready, do_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE,
+              do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, kv_ready, q_ready,
+              q_empty, do_ready, do_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
               stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
-              stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, n_items, num_programs,
-              MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, RAGGED: gl.constexpr, BLOCK_N: gl.constexpr,
-              SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr,
-              STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
-    """For each work item of the program (``work_schedule.program_items``): K and V of its key tile once both
-    consumers are done with the last item's (kv_empty), then Q, dO, lse2 and delta of each query tile of its walk
-    into the ring's next buffer once both consumers released the tile it held; with HEAD_DIM2, each of Q, K, V and dO
+              stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride,
+              MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr,
+              DO_STAGES: gl.constexpr):
+    """K and V of the program's key tile, then Q, dO, lse2 and delta of each query tile of its walk into the
+    ring's next buffer once both consumers released the tile it held; with HEAD_DIM2, each of Q, K, V and dO
     with its second part (q2/k2/v2/do2). DO_STAGES 0: dO and delta ride in Q's ring (its barriers; do_ready and
     do_empty unused); else they have a ring of their own, of DO_STAGES buffers, behind do_ready / do_empty."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -245,72 +237,65 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
     K_BYTES: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
     Q_BYTES: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
     ROW_BYTES: gl.constexpr = Q_BYTES + lse_desc.block_type.nbytes  # a tile's Q and lse2 (dO and delta alike)
+    _, b, kv_head, kv_start, kv_own = _program_tile(heads, groups, kv_len, BLOCK_N, RAGGED)
+    k_row, k_col = row_view_coords(b, kv_head, kv_start, stride_kb, stride_kh, stride_kn)
+    v_row, v_col = row_view_coords(b, kv_head, kv_start, stride_vb, stride_vh, stride_vn)
+    mbarrier.expect(kv_ready, 2 * (BLOCK_N // K_ROWS) * K_BYTES)
+    for box in gl.static_range(BLOCK_N // K_ROWS):
+        load_box(k_desc, k2_desc, k_row + box * K_ROWS, k_col, kv_ready, k_smem.slice(box * K_ROWS, K_ROWS),
+                 k2_smem.slice(box * K_ROWS, K_ROWS), HEAD_DIM2)
+        load_box(v_desc, v2_desc, v_row + box * K_ROWS, v_col, kv_ready, v_smem.slice(box * K_ROWS, K_ROWS),
+                 v2_smem.slice(box * K_ROWS, K_ROWS), HEAD_DIM2)
     n = 0  # query tiles loaded so far: the ring's position
-    i = 0  # work items so far: the phase of kv_empty
-    first_entry, end, step = program_items(SCHEDULE, n_items, num_programs, SCHEDULED)
-    for entry in range(first_entry, end, step):
-        _, b, kv_head, kv_start, kv_own = _program_tile(scheduled_item(SCHEDULE, entry, SCHEDULED), heads, groups,
-                                                        kv_len, BLOCK_N, RAGGED)
-        k_row, k_col = row_view_coords(b, kv_head, kv_start, stride_kb, stride_kh, stride_kn)
-        v_row, v_col = row_view_coords(b, kv_head, kv_start, stride_vb, stride_vh, stride_vn)
-        mbarrier.wait(kv_empty, (i - 1) & 1, pred=i > 0)
-        mbarrier.expect(kv_ready, 2 * (BLOCK_N // K_ROWS) * K_BYTES)
-        for box in gl.static_range(BLOCK_N // K_ROWS):
-            load_box(k_desc, k2_desc, k_row + box * K_ROWS, k_col, kv_ready, k_smem.slice(box * K_ROWS, K_ROWS),
-                     k2_smem.slice(box * K_ROWS, K_ROWS), HEAD_DIM2)
-            load_box(v_desc, v2_desc, v_row + box * K_ROWS, v_col, kv_ready, v_smem.slice(box * K_ROWS, K_ROWS),
-                     v2_smem.slice(box * K_ROWS, K_ROWS), HEAD_DIM2)
-        for g in range(groups):
-            h = kv_head * groups + g
-            first, n_full, n_tiles, full_idx, part_idx = _column(
-                b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
-                stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
-                SPARSE_BLOCK_N)
-            stats_row = (b * heads + h) * stats_stride
-            q_row, q_col = row_view_coords(b, h, 0, stride_qb, stride_qh, stride_qm)
-            do_row, do_col = row_view_coords(b, h, 0, stride_dob, stride_doh, stride_dom)
-            for t in range(n_tiles):
-                q_own = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
-                q_start = moved_back(q_own, q_len, BLOCK_M, RAGGED)
-                stage = ring_index(n, STAGES)
-                mbarrier.wait(q_empty.index(stage), ((n // STAGES) - 1) & 1, pred=n >= STAGES)
-                if DO_STAGES == 0:  # one barrier for the tile's four loads
-                    do_stage = stage
-                    do_bar = q_ready.index(stage)
-                    mbarrier.expect(do_bar, 2 * ROW_BYTES)
-                else:
-                    do_stage = ring_index(n, DO_STAGES)
-                    do_bar = do_ready.index(do_stage)
-                    mbarrier.expect(q_ready.index(stage), ROW_BYTES)
-                load_box(q_desc, q2_desc, q_row + q_start, q_col, q_ready.index(stage), q_smem.index(stage),
-                         q2_smem.index(stage), HEAD_DIM2)
-                if DO_STAGES > 0:  # Q and lse2 first: the tile's S^T waits for them only, dO for its buffer
-                    tma_load(lse_desc, [stats_row + q_start], q_ready.index(stage), lse_smem.index(stage))
-                    mbarrier.wait(do_empty.index(do_stage), ((n // DO_STAGES) - 1) & 1, pred=n >= DO_STAGES)
-                    mbarrier.expect(do_bar, ROW_BYTES)
-                load_box(do_desc, do2_desc, do_row + q_start, do_col, do_bar, do_smem.index(do_stage),
-                         do2_smem.index(do_stage), HEAD_DIM2)
-                if DO_STAGES == 0:
-                    tma_load(lse_desc, [stats_row + q_start], q_ready.index(stage), lse_smem.index(stage))
-                tma_load(delta_desc, [stats_row + q_start], do_bar, delta_smem.index(do_stage))
-                n += 1
-        i += 1
+    for g in range(groups):
+        h = kv_head * groups + g
+        first, n_full, n_tiles, full_idx, part_idx = _column(
+            b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
+            SPARSE_BLOCK_N)
+        stats_row = (b * heads + h) * stats_stride
+        q_row, q_col = row_view_coords(b, h, 0, stride_qb, stride_qh, stride_qm)
+        do_row, do_col = row_view_coords(b, h, 0, stride_dob, stride_doh, stride_dom)
+        for t in range(n_tiles):
+            q_own = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_start = moved_back(q_own, q_len, BLOCK_M, RAGGED)
+            stage = ring_index(n, STAGES)
+            mbarrier.wait(q_empty.index(stage), ((n // STAGES) - 1) & 1, pred=n >= STAGES)
+            if DO_STAGES == 0:  # one barrier for the tile's four loads
+                do_stage = stage
+                do_bar = q_ready.index(stage)
+                mbarrier.expect(do_bar, 2 * ROW_BYTES)
+            else:
+                do_stage = ring_index(n, DO_STAGES)
+                do_bar = do_ready.index(do_stage)
+                mbarrier.expect(q_ready.index(stage), ROW_BYTES)
+            load_box(q_desc, q2_desc, q_row + q_start, q_col, q_ready.index(stage), q_smem.index(stage),
+                     q2_smem.index(stage), HEAD_DIM2)
+            if DO_STAGES > 0:  # Q and lse2 first: the tile's S^T waits for them only, while dO waits for its buffer
+                tma_load(lse_desc, [stats_row + q_start], q_ready.index(stage), lse_smem.index(stage))
+                mbarrier.wait(do_empty.index(do_stage), ((n // DO_STAGES) - 1) & 1, pred=n >= DO_STAGES)
+                mbarrier.expect(do_bar, ROW_BYTES)
+            load_box(do_desc, do2_desc, do_row + q_start, do_col, do_bar, do_smem.index(do_stage),
+                     do2_smem.index(do_stage), HEAD_DIM2)
+            if DO_STAGES == 0:
+                tma_load(lse_desc, [stats_row + q_start], q_ready.index(stage), lse_smem.index(stage))
+            tma_load(delta_desc, [stats_row + q_start], do_bar, delta_smem.index(do_stage))
+            n += 1
 
 
 @gluon.jit
 def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, ds_smem,
-              dq_smem, dq2_smem, kv_ready, kv_empty, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM, FULL_IDX,
-              PART_NUM, PART_IDX, SCHEDULE, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
-              stride_idx_n, heads, groups, q_len, kv_len, n_items, num_programs, qk_scale, scale, WG: gl.constexpr,
-              MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr,
-              SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
-    """For each work item of the program, keys [WG * 64, WG * 64 + 64) of its tile: dK and dV over the walk, stored at
-    the end, once this warpgroup's products are done with K and V (kv_empty) (DK, DV: (B, key/value heads, kv_len,
-    HEAD_DIM + HEAD_DIM2) contiguous; with HEAD_DIM2 their second part's columns in dk2 and dv2), and its part of each
-    tile's dQ (``_dq_descriptors``), staged for ``_dq_writer`` in the two buffers of dq_smem (and dq2_smem) in turn,
-    behind this warpgroup's pair of dq_full / dq_empty barriers (WG * 2 + buffer)."""
+              dq_smem, dq2_smem, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM, FULL_IDX, PART_NUM,
+              PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
+              heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr, MASK_KIND: gl.constexpr,
+              RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
+              SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
+    """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end
+    (DK, DV: (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous; with HEAD_DIM2 their second part's
+    columns in dk2 and dv2), and its part of each tile's dQ (``_dq_descriptors``), staged for ``_dq_writer`` in the
+    two buffers of dq_smem (and dq2_smem) in turn, behind this warpgroup's pair of dq_full / dq_empty barriers
+    (WG * 2 + buffer)."""
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     HALF_N: gl.constexpr = BLOCK_N // 2
     PARTS: gl.constexpr = 2 if HEAD_DIM2 > 0 else 1  # wgmma groups of a product over the head dim
@@ -341,14 +326,24 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
         dq_keys = k2_smem
     else:
         dq_keys = k_smem.slice(DQ_COLUMN, DQ_COLUMNS, dim=1)
+    bk, b, kv_head, kv_start, kv_own = _program_tile(heads, groups, kv_len, BLOCK_N, RAGGED)
     my_keys = k_smem.slice(WG * HALF_N, HALF_N)
     my_values = v_smem.slice(WG * HALF_N, HALF_N)
     my_keys2 = k2_smem.slice(WG * HALF_N, HALF_N)
     my_values2 = v2_smem.slice(WG * HALF_N, HALF_N)
+    kv_first = kv_start + WG * HALF_N
+    offs_kv = kv_first + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     cols_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
     zero_dq = gl.zeros([DQ_TILE_ROWS, DQ_COLUMNS], gl.float32, dq_layout)
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    dk2 = 0.0
+    dv2 = 0.0
     zero_dq2 = 0.0
+    if HEAD_DIM2 > 0:
+        dk2 = gl.zeros([HALF_N, HEAD_DIM2], gl.float32, kv2_layout)
+        dv2 = gl.zeros([HALF_N, HEAD_DIM2], gl.float32, kv2_layout)
     if SECOND_DQ:
         zero_dq2 = gl.zeros([DQ_TILE_ROWS, HEAD_DIM2], gl.float32, dq2_layout)
     sync = heads  # a value the named barrier passes along, which orders it among the products
@@ -357,103 +352,85 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
     if SCORE_MOD is not None:
         soft_scale = 1.0
     n = 0  # query tiles consumed so far: the ring's position
-    i = 0  # work items so far: the phase of kv_ready
-    first_entry, end, step = program_items(SCHEDULE, n_items, num_programs, SCHEDULED)
-    for entry in range(first_entry, end, step):
-        bk, b, kv_head, kv_start, kv_own = _program_tile(scheduled_item(SCHEDULE, entry, SCHEDULED), heads, groups,
-                                                         kv_len, BLOCK_N, RAGGED)
-        kv_first = kv_start + WG * HALF_N
-        offs_kv = kv_first + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
-        dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
-        dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
-        dk2 = 0.0
-        dv2 = 0.0
-        if HEAD_DIM2 > 0:
-            dk2 = gl.zeros([HALF_N, HEAD_DIM2], gl.float32, kv2_layout)
-            dv2 = gl.zeros([HALF_N, HEAD_DIM2], gl.float32, kv2_layout)
-        mbarrier.wait(kv_ready, i & 1)
-        for g in range(groups):
-            h = kv_head * groups + g
-            first, n_full, n_tiles, full_idx, part_idx = _column(
-                b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
-                stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
-                SPARSE_BLOCK_N)
-            # 0.0 without a linear key term
-            keys = key_steps(b, h, (offs_kv - kv_first)[:, None], MODS, SCORE_KEYS)
-            for t in range(n_tiles):
-                q_own = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
-                q_start = moved_back(q_own, q_len, BLOCK_M, RAGGED)
-                stage = n % STAGES
-                q = q_smem.index(stage)
-                do = do_smem.index(stage)
-                q2 = q2_smem.index(stage)
-                do2 = do2_smem.index(stage)
-                mbarrier.wait(q_ready.index(stage), (n // STAGES) & 1)
-                s_t = issue_abt(my_keys, my_keys2, q, q2, zero_s, HEAD_DIM2)
-                dp_t = issue_abt(my_values, my_values2, do, do2, zero_s, HEAD_DIM2)
-                s_t = warpgroup_mma_wait(PARTS, deps=(s_t,))
-                q_idx = (q_start + cols_q)[None, :]
-                lse2 = lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))
-                p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, kv_own,
-                                              offs_kv, kv_first, keys, qk_scale, soft_scale, MODS, MASK_KIND, RAGGED,
-                                              IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N)
-                p_op = gl.convert_layout(p_t.to(q.dtype), a_layout)
-                dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
-                ds_t = p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
-                ds_t = (ds_t * d_score).to(q.dtype)  # the score function's derivative (1.0 without one)
-                ds_tile = ds_smem.index(n % 2)
-                ds_tile.slice(WG * HALF_N, HALF_N).store(ds_t)
-                fence_async_shared()
-                p2_op = 0.0
-                if HEAD_DIM2 > 0:
-                    p2_op = gl.convert_layout(p_op, a2_layout)
-                dv, dv2 = issue_pv(p_op, p2_op, do, do2, dv, dv2, HEAD_DIM2)
-                # both halves of dS^T are in shared memory: the dQ product takes the barrier's value, so that it is
-                # issued after it, and the second part's follows it in issue order (wgmmas keep their order)
-                sync = named_sync(10, sync)
-                ds_rows = ds_tile.slice(DQ_ROW, DQ_TILE_ROWS, dim=1).permute((1, 0))
-                dq = warpgroup_mma(ds_rows, dq_keys, zero_dq + (sync * 0).to(gl.float32), use_acc=False,
-                                   is_async=True)
-                dq2 = 0.0
-                if SECOND_DQ:
-                    dq2 = warpgroup_mma(ds_rows, k2_smem, zero_dq2, use_acc=False, is_async=True)
-                if HEAD_DIM2 > 0:
-                    dv, dv2, p_op, p2_op = warpgroup_mma_wait(DQ_GROUPS, deps=(dv, dv2, p_op, p2_op))
-                else:
-                    dv, p_op = warpgroup_mma_wait(DQ_GROUPS, deps=(dv, p_op))
-                ds_op = gl.convert_layout(ds_t, a_layout)
-                ds2_op = 0.0
-                if HEAD_DIM2 > 0:
-                    ds2_op = gl.convert_layout(ds_op, a2_layout)
-                dk, dk2 = issue_pv(ds_op, ds2_op, q, q2, dk, dk2, HEAD_DIM2)
-                # dK's product runs under dQ's store
-                if SECOND_DQ:
-                    dq, dq2 = warpgroup_mma_wait(PARTS, deps=(dq, dq2))
-                else:
-                    dq = warpgroup_mma_wait(PARTS, deps=(dq,))
-                # staged for the writer once its reduce of the tile before the last has read the buffer; every
-                # thread's stores seen by TMA (the fence, then the warpgroup's barrier) before the arrival
-                buffer = n % 2
-                mbarrier.wait(dq_empty.index(WG * 2 + buffer), ((n // 2) - 1) & 1, pred=n >= 2)
-                dq_smem.index(buffer).store(dq)
-                if SECOND_DQ:
-                    dq2_smem.index(buffer).store(dq2)
-                fence_async_shared()
-                thread_barrier()
-                mbarrier.arrive(dq_full.index(WG * 2 + buffer))
-                if HEAD_DIM2 > 0:
-                    dk, dk2, ds_op, ds2_op = warpgroup_mma_wait(0, deps=(dk, dk2, ds_op, ds2_op))
-                else:
-                    dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
-                mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
-                n += 1
-        mbarrier.arrive(kv_empty)  # this warpgroup's products are done with the item's K and V
-        first_row = bk * kv_len + kv_start + WG * HALF_N
-        own_row = bk * kv_len + kv_own
-        _store_dk_dv(DK, DV, dk, dv, first_row, own_row, 0, HEAD_DIM + HEAD_DIM2, scale, kv_layout)
-        if HEAD_DIM2 > 0:
-            _store_dk_dv(DK, DV, dk2, dv2, first_row, own_row, HEAD_DIM, HEAD_DIM + HEAD_DIM2, scale, kv2_layout)
-        i += 1
+    mbarrier.wait(kv_ready, 0)
+    for g in range(groups):
+        h = kv_head * groups + g
+        first, n_full, n_tiles, full_idx, part_idx = _column(
+            b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
+            SPARSE_BLOCK_N)
+        keys = key_steps(b, h, (offs_kv - kv_first)[:, None], MODS, SCORE_KEYS)  # 0.0 without a linear key term
+        for t in range(n_tiles):
+            q_own = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_start = moved_back(q_own, q_len, BLOCK_M, RAGGED)
+            stage = n % STAGES
+            q = q_smem.index(stage)
+            do = do_smem.index(stage)
+            q2 = q2_smem.index(stage)
+            do2 = do2_smem.index(stage)
+            mbarrier.wait(q_ready.index(stage), (n // STAGES) & 1)
+            s_t = issue_abt(my_keys, my_keys2, q, q2, zero_s, HEAD_DIM2)
+            dp_t = issue_abt(my_values, my_values2, do, do2, zero_s, HEAD_DIM2)
+            s_t = warpgroup_mma_wait(PARTS, deps=(s_t,))
+            q_idx = (q_start + cols_q)[None, :]
+            lse2 = lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))
+            p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, kv_own, offs_kv,
+                                          kv_first, keys, qk_scale, soft_scale, MODS, MASK_KIND, RAGGED, IS_CAUSAL,
+                                          MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N)
+            p_op = gl.convert_layout(p_t.to(q.dtype), a_layout)
+            dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+            ds_t = p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
+            ds_t = (ds_t * d_score).to(q.dtype)  # the score function's derivative (1.0 without one)
+            ds_tile = ds_smem.index(n % 2)
+            ds_tile.slice(WG * HALF_N, HALF_N).store(ds_t)
+            fence_async_shared()
+            p2_op = 0.0
+            if HEAD_DIM2 > 0:
+                p2_op = gl.convert_layout(p_op, a2_layout)
+            dv, dv2 = issue_pv(p_op, p2_op, do, do2, dv, dv2, HEAD_DIM2)
+            # both halves of dS^T are in shared memory: the dQ product takes the barrier's value, so that it is issued
+            # after it, and the second part's follows it in issue order (wgmmas keep their order)
+            sync = named_sync(10, sync)
+            ds_rows = ds_tile.slice(DQ_ROW, DQ_TILE_ROWS, dim=1).permute((1, 0))
+            dq = warpgroup_mma(ds_rows, dq_keys, zero_dq + (sync * 0).to(gl.float32), use_acc=False, is_async=True)
+            dq2 = 0.0
+            if SECOND_DQ:
+                dq2 = warpgroup_mma(ds_rows, k2_smem, zero_dq2, use_acc=False, is_async=True)
+            if HEAD_DIM2 > 0:
+                dv, dv2, p_op, p2_op = warpgroup_mma_wait(DQ_GROUPS, deps=(dv, dv2, p_op, p2_op))
+            else:
+                dv, p_op = warpgroup_mma_wait(DQ_GROUPS, deps=(dv, p_op))
+            ds_op = gl.convert_layout(ds_t, a_layout)
+            ds2_op = 0.0
+            if HEAD_DIM2 > 0:
+                ds2_op = gl.convert_layout(ds_op, a2_layout)
+            dk, dk2 = issue_pv(ds_op, ds2_op, q, q2, dk, dk2, HEAD_DIM2)
+            # dK's product runs under dQ's store
+            if SECOND_DQ:
+                dq, dq2 = warpgroup_mma_wait(PARTS, deps=(dq, dq2))
+            else:
+                dq = warpgroup_mma_wait(PARTS, deps=(dq,))
+            # staged for the writer once its reduce of the tile before the last has read the buffer; every thread's
+            # stores seen by TMA (the fence, then the warpgroup's barrier) before the arrival
+            buffer = n % 2
+            mbarrier.wait(dq_empty.index(WG * 2 + buffer), ((n // 2) - 1) & 1, pred=n >= 2)
+            dq_smem.index(buffer).store(dq)
+            if SECOND_DQ:
+                dq2_smem.index(buffer).store(dq2)
+            fence_async_shared()
+            thread_barrier()
+            mbarrier.arrive(dq_full.index(WG * 2 + buffer))
+            if HEAD_DIM2 > 0:
+                dk, dk2, ds_op, ds2_op = warpgroup_mma_wait(0, deps=(dk, dk2, ds_op, ds2_op))
+            else:
+                dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+            mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q and dO of the tile
+            n += 1
+    first_row = bk * kv_len + kv_start + WG * HALF_N
+    own_row = bk * kv_len + kv_own
+    _store_dk_dv(DK, DV, dk, dv, first_row, own_row, 0, HEAD_DIM + HEAD_DIM2, scale, kv_layout)
+    if HEAD_DIM2 > 0:
+        _store_dk_dv(DK, DV, dk2, dv2, first_row, own_row, HEAD_DIM, HEAD_DIM + HEAD_DIM2, scale, kv2_layout)
 
 
 @gluon.jit
@@ -477,54 +454,49 @@ def _add_dq_tiles(dq_desc, dq2_desc, dq_smem, dq2_smem, row, WG: gl.constexpr, B
 
 @gluon.jit
 def _dq_writer(dq_desc, dq2_desc, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, dq_full, dq_empty, FULL_NUM, FULL_IDX,
-               PART_NUM, PART_IDX, SCHEDULE, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
-               stride_idx_n, heads, groups, q_len, kv_len, n_items, num_programs, MASK_KIND: gl.constexpr,
-               SCHEDULED: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr,
+               PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
+               heads, groups, q_len, kv_len, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr):
-    """The program's walks as the consumers take them: each query tile's dQ tiles, as each consumer staged them
+    """The program's walk as the consumers take it: each query tile's dQ tiles, as each consumer staged them
     (dq_full: dq_smemW / dq2_smemW's buffer n % 2 for tile n), added into the accumulator (``_add_dq_tiles``), and
     the buffers given back (dq_empty) once TMA has read them."""
+    _, b, kv_head, kv_start, kv_own = _program_tile(heads, groups, kv_len, BLOCK_N, RAGGED)
     n = 0  # query tiles added so far
-    first_entry, end, step = program_items(SCHEDULE, n_items, num_programs, SCHEDULED)
-    for entry in range(first_entry, end, step):
-        _, b, kv_head, kv_start, kv_own = _program_tile(scheduled_item(SCHEDULE, entry, SCHEDULED), heads, groups,
-                                                        kv_len, BLOCK_N, RAGGED)
-        for g in range(groups):
-            h = kv_head * groups + g
-            first, n_full, n_tiles, full_idx, part_idx = _column(
-                b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
-                stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
-                SPARSE_BLOCK_N)
-            for t in range(n_tiles):
-                q_own = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
-                q_start = moved_back(q_own, q_len, BLOCK_M, RAGGED)
-                row = (b * heads + h) * q_len + q_start
-                buffer = n % 2
-                mbarrier.wait(dq_full.index(buffer), (n // 2) & 1)
-                _add_dq_tiles(dq_desc, dq2_desc, dq_smem0.index(buffer), dq2_smem0.index(buffer), row, 0, BLOCK_M,
-                              HEAD_DIM, HEAD_DIM2)
-                mbarrier.wait(dq_full.index(2 + buffer), (n // 2) & 1)
-                _add_dq_tiles(dq_desc, dq2_desc, dq_smem1.index(buffer), dq2_smem1.index(buffer), row, 1, BLOCK_M,
-                              HEAD_DIM, HEAD_DIM2)
-                tma.store_wait(0)
-                mbarrier.arrive(dq_empty.index(buffer))
-                mbarrier.arrive(dq_empty.index(2 + buffer))
-                n += 1
+    for g in range(groups):
+        h = kv_head * groups + g
+        first, n_full, n_tiles, full_idx, part_idx = _column(
+            b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
+            SPARSE_BLOCK_N)
+        for t in range(n_tiles):
+            q_own = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_start = moved_back(q_own, q_len, BLOCK_M, RAGGED)
+            row = (b * heads + h) * q_len + q_start
+            buffer = n % 2
+            mbarrier.wait(dq_full.index(buffer), (n // 2) & 1)
+            _add_dq_tiles(dq_desc, dq2_desc, dq_smem0.index(buffer), dq2_smem0.index(buffer), row, 0, BLOCK_M,
+                          HEAD_DIM, HEAD_DIM2)
+            mbarrier.wait(dq_full.index(2 + buffer), (n // 2) & 1)
+            _add_dq_tiles(dq_desc, dq2_desc, dq_smem1.index(buffer), dq2_smem1.index(buffer), row, 1, BLOCK_M,
+                          HEAD_DIM, HEAD_DIM2)
+            tma.store_wait(0)
+            mbarrier.arrive(dq_empty.index(buffer))
+            mbarrier.arrive(dq_empty.index(2 + buffer))
+            n += 1
 
 
-@gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *SCHEDULE_ARGS, *TABLE_STRIDE_ARGS])
+@gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
 def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, dq_desc, dq2_desc, lse_desc,
-                    delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, MODS, stride_qb, stride_qh,
-                    stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob,
-                    stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
-                    stride_idx_n, heads, groups, q_len, kv_len, stats_stride, n_items, num_programs, qk_scale, scale,
-                    MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                    MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
-                    SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
-    """Work items (batch, key/value head, 128-key tile) (``_program_tile``): one a program, or (SCHEDULED) those
-    SCHEDULE lists for it (``work_schedule``), with K and V reloaded between items. q/k/v/do_desc read Q, K, V,
+                    delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_qb, stride_qh, stride_qm,
+                    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh,
+                    stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
+                    heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
+                    MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
+                    SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+                    SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """One program per (batch, key/value head, 128-key tile) (``_program_tile``). q/k/v/do_desc read Q, K, V,
     dO as ``row_view`` matrices in boxes of HEAD_DIM columns, K and V in 64-row boxes, Q and dO in BLOCK_M-row
     ones; q2/k2/v2/do2_desc the HEAD_DIM2 columns after them (the same descriptors, unused, without a second
     part); dq_desc and dq2_desc the fp32 dQ accumulator (B * H * q_len, HEAD_DIM + HEAD_DIM2) in the boxes of
@@ -567,14 +539,12 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
         dq2_smem0 = dq_smem0
         dq2_smem1 = dq_smem1
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # a staging buffer's: consumer WG's buffer i at WG * 2 + i
     dq_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    mbarrier.init(kv_empty, count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
@@ -585,28 +555,28 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                     ds_smem, dq_smem0, dq2_smem0, kv_ready, kv_empty, q_ready, q_empty, dq_full, dq_empty, DK, DV,
-                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, MODS, stride_num_b, stride_num_h, stride_num_n,
-                     stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, n_items, num_programs,
-                     qk_scale, scale, 0, MASK_KIND, SCHEDULED, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS,
-                     BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+                     ds_smem, dq_smem0, dq2_smem0, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM,
+                     FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                     stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0, MASK_KIND,
+                     RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
+                     HEAD_DIM, HEAD_DIM2, STAGES)),
         (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                     ds_smem, dq_smem1, dq2_smem1, kv_ready, kv_empty, q_ready, q_empty, dq_full, dq_empty, DK, DV,
-                     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, MODS, stride_num_b, stride_num_h, stride_num_n,
-                     stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, n_items, num_programs,
-                     qk_scale, scale, 1, MASK_KIND, SCHEDULED, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS,
-                     BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc, q_smem,
-                     do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, kv_ready,
-                     kv_empty, q_ready, q_empty, q_ready, q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE,
-                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                     stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
-                     stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, n_items, num_programs,
-                     MASK_KIND, SCHEDULED, RAGGED, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, 0)),
+                     ds_smem, dq_smem1, dq2_smem1, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM,
+                     FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                     stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1, MASK_KIND,
+                     RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
+                     HEAD_DIM, HEAD_DIM2, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc,
+                     q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
+                     kv_ready, q_ready, q_empty, q_ready, q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                     stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n,
+                     stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND,
+                     RAGGED, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, 0)),
         (_dq_writer, (dq_desc, dq2_desc, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, dq_full, dq_empty, FULL_NUM,
-                      FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
-                      stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, n_items, num_programs, MASK_KIND,
-                      SCHEDULED, RAGGED, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2)),
+                      FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                      stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, MASK_KIND, RAGGED, BLOCK_M, BLOCK_N,
+                      SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2)),
     # registers a thread: the consumers' dK, dV and tiles take 240, the producer's loads and the dQ writer's adds 24.
     # The producer is one warp for DENSE and CAUSAL, as the forward's (dense rows 1.03x as fast from S=16384 on an
     # H100, the rest within the spread), two for SPARSE, whose rows at head dim 64 ran 0.95-0.96x as fast with one
@@ -618,16 +588,14 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
 
 @gluon.jit
 def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, p_smem,
-                   ds_smem, dq_smem, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, dq_desc, DK, DV,
-                   FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, MODS, stride_num_b, stride_num_h, stride_num_n,
-                   stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, n_items, num_programs,
-                   qk_scale, scale, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr,
-                   RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
+                   ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, dq_desc, DK, DV, FULL_NUM,
+                   FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                   stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr,
+                   MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
                    SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr,
                    SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                    HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
-    """Head dims 160-256 (``_attn_bwd_gluon_wide``), for each work item of the program: every key of its tile
-    (K and V given back by kv_empty once this warpgroup's products are done with them), and the columns of part WG
+    """Head dims 160-256 (``_attn_bwd_gluon_wide``): every key of the program's tile, and the columns of part WG
     (the first HEAD_DIM, or the HEAD_DIM2 after them): S^T and dP^T of query rows [WG * BLOCK_M / 2, ...) over
     the whole head dim, P and dS to shared memory, then its columns of dV, dK (stored at the end; DK, DV:
     (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous) and of each tile's dQ (dq_desc: its part's
@@ -656,105 +624,96 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
         my_q = q2_smem
         my_do = do2_smem
         my_keys = k2_smem
+    bk, b, kv_head, kv_start, kv_own = _program_tile(heads, groups, kv_len, BLOCK_N, RAGGED)
+    offs_kv = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     cols_q = WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([BLOCK_N, HALF_M], gl.float32, s_layout)
     zero_dq = gl.zeros([BLOCK_M, CHUNK], gl.float32, dq_layout)
+    dk = gl.zeros([BLOCK_N, COLUMNS], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, COLUMNS], gl.float32, acc_layout)
     sync = heads  # a value the named barrier passes along, which orders it among the products
     soft_scale = qk_scale
     if SCORE_MOD is not None:
         soft_scale = 1.0
     n = 0  # query tiles consumed so far: the ring's position
-    i = 0  # work items so far: the phase of kv_ready
-    first_entry, end, step = program_items(SCHEDULE, n_items, num_programs, SCHEDULED)
-    for entry in range(first_entry, end, step):
-        bk, b, kv_head, kv_start, kv_own = _program_tile(scheduled_item(SCHEDULE, entry, SCHEDULED), heads, groups,
-                                                         kv_len, BLOCK_N, RAGGED)
-        offs_kv = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-        dk = gl.zeros([BLOCK_N, COLUMNS], gl.float32, acc_layout)
-        dv = gl.zeros([BLOCK_N, COLUMNS], gl.float32, acc_layout)
-        mbarrier.wait(kv_ready, i & 1)
-        for g in range(groups):
-            h = kv_head * groups + g
-            first, n_full, n_tiles, full_idx, part_idx = _column(
-                b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
-                stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
-                SPARSE_BLOCK_N)
-            bh = b * heads + h
-            keys = key_steps(b, h, (offs_kv - kv_start)[:, None], MODS, SCORE_KEYS)  # 0.0 without a linear key term
-            for t in range(n_tiles):
-                q_own = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
-                q_start = moved_back(q_own, q_len, BLOCK_M, RAGGED)
-                stage = ring_index(n, STAGES)
-                do_stage = ring_index(n, DO_STAGES)
-                mbarrier.wait(q_ready.index(stage), (n // STAGES) & 1)
-                # S^T and dP^T of the warpgroup's half of the queries, over both parts of the head dim
-                s_t = issue_abt(k_smem, k2_smem, q_smem.index(stage).slice(WG * HALF_M, HALF_M),
-                                q2_smem.index(stage).slice(WG * HALF_M, HALF_M), zero_s, HEAD_DIM2)
-                mbarrier.wait(do_ready.index(do_stage), (n // DO_STAGES) & 1)
-                dp_t = issue_abt(v_smem, v2_smem, do_smem.index(do_stage).slice(WG * HALF_M, HALF_M),
-                                 do2_smem.index(do_stage).slice(WG * HALF_M, HALF_M), zero_s, HEAD_DIM2)
-                s_t = warpgroup_mma_wait(2, deps=(s_t,))
-                q_idx = (q_start + cols_q)[None, :]
-                lse2 = lse_smem.index(stage).slice(WG * HALF_M, HALF_M).load(gl.SliceLayout(0, s_layout))
-                p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, kv_own,
-                                              offs_kv, kv_start, keys, qk_scale, soft_scale, MODS, MASK_KIND, RAGGED,
-                                              IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N)
-                dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
-                delta = delta_smem.index(do_stage).slice(WG * HALF_M, HALF_M).load(gl.SliceLayout(0, s_layout))
-                ds_t = (p_t * (dp_t - delta[None, :]) * d_score).to(my_q.dtype)
-                # P and dS (queries x keys) of this tile: the warpgroup's rows; a buffer is rewritten two tiles on,
-                # after the next tile's barrier, which the other warpgroup passes only once its products of this one
-                # are done
-                p_tile = p_smem.index(n % 2)
-                ds_tile = ds_smem.index(n % 2)
-                p_tile.slice(WG * HALF_M, HALF_M).permute((1, 0)).store(p_t.to(my_q.dtype))
-                ds_tile.slice(WG * HALF_M, HALF_M).permute((1, 0)).store(ds_t)
+    mbarrier.wait(kv_ready, 0)
+    for g in range(groups):
+        h = kv_head * groups + g
+        first, n_full, n_tiles, full_idx, part_idx = _column(
+            b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
+            SPARSE_BLOCK_N)
+        bh = b * heads + h
+        keys = key_steps(b, h, (offs_kv - kv_start)[:, None], MODS, SCORE_KEYS)  # 0.0 without a linear key term
+        for t in range(n_tiles):
+            q_own = walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M)
+            q_start = moved_back(q_own, q_len, BLOCK_M, RAGGED)
+            stage = ring_index(n, STAGES)
+            do_stage = ring_index(n, DO_STAGES)
+            mbarrier.wait(q_ready.index(stage), (n // STAGES) & 1)
+            # S^T and dP^T of the warpgroup's half of the queries, over both parts of the head dim
+            s_t = issue_abt(k_smem, k2_smem, q_smem.index(stage).slice(WG * HALF_M, HALF_M),
+                            q2_smem.index(stage).slice(WG * HALF_M, HALF_M), zero_s, HEAD_DIM2)
+            mbarrier.wait(do_ready.index(do_stage), (n // DO_STAGES) & 1)
+            dp_t = issue_abt(v_smem, v2_smem, do_smem.index(do_stage).slice(WG * HALF_M, HALF_M),
+                             do2_smem.index(do_stage).slice(WG * HALF_M, HALF_M), zero_s, HEAD_DIM2)
+            s_t = warpgroup_mma_wait(2, deps=(s_t,))
+            q_idx = (q_start + cols_q)[None, :]
+            lse2 = lse_smem.index(stage).slice(WG * HALF_M, HALF_M).load(gl.SliceLayout(0, s_layout))
+            p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, kv_own, offs_kv,
+                                          kv_start, keys, qk_scale, soft_scale, MODS, MASK_KIND, RAGGED, IS_CAUSAL,
+                                          MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N)
+            dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+            delta = delta_smem.index(do_stage).slice(WG * HALF_M, HALF_M).load(gl.SliceLayout(0, s_layout))
+            ds_t = (p_t * (dp_t - delta[None, :]) * d_score).to(my_q.dtype)
+            # P and dS (queries x keys) of this tile: the warpgroup's rows; a buffer is rewritten two tiles on, after
+            # the next tile's barrier, which the other warpgroup passes only once its products of this one are done
+            p_tile = p_smem.index(n % 2)
+            ds_tile = ds_smem.index(n % 2)
+            p_tile.slice(WG * HALF_M, HALF_M).permute((1, 0)).store(p_t.to(my_q.dtype))
+            ds_tile.slice(WG * HALF_M, HALF_M).permute((1, 0)).store(ds_t)
+            fence_async_shared()
+            # both warpgroups' rows of P and dS are in shared memory: dQ's product takes the barrier's value, dV's
+            # and dK's follow it in issue order (wgmmas keep their order)
+            sync = named_sync(10, sync)
+            dq = warpgroup_mma(ds_tile, my_keys.slice(0, CHUNK, dim=1), zero_dq + (sync * 0).to(gl.float32),
+                               use_acc=False, is_async=True)
+            dv = warpgroup_mma(p_tile.permute((1, 0)), my_do.index(do_stage), dv, is_async=True)
+            dk = warpgroup_mma(ds_tile.permute((1, 0)), my_q.index(stage), dk, is_async=True)
+            # dK's product runs under dQ's first chunk's store; with dV's done, the next tile's dO may load
+            dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
+            mbarrier.arrive(do_empty.index(do_stage))
+            dq_row = bh * q_len + q_start
+            for chunk in gl.static_range(DQ_CHUNKS):  # (the wait for a later chunk's product waits for dK's)
+                if chunk > 0:
+                    dq = warpgroup_mma(ds_tile, my_keys.slice(chunk * CHUNK, CHUNK, dim=1), zero_dq, use_acc=False,
+                                       is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=(dq,))
+                if chunk % DQ_BUFFERS == 0:  # the reduces from the buffers (the last tile's at chunk 0) have read them
+                    tma.store_wait(0)
+                dq_smem.index(chunk % DQ_BUFFERS).store(dq)
                 fence_async_shared()
-                # both warpgroups' rows of P and dS are in shared memory: dQ's product takes the barrier's value, dV's
-                # and dK's follow it in issue order (wgmmas keep their order)
-                sync = named_sync(10, sync)
-                dq = warpgroup_mma(ds_tile, my_keys.slice(0, CHUNK, dim=1), zero_dq + (sync * 0).to(gl.float32),
-                                   use_acc=False, is_async=True)
-                dv = warpgroup_mma(p_tile.permute((1, 0)), my_do.index(do_stage), dv, is_async=True)
-                dk = warpgroup_mma(ds_tile.permute((1, 0)), my_q.index(stage), dk, is_async=True)
-                # dK's product runs under dQ's first chunk's store; with dV's done, the next tile's dO may load
-                dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
-                mbarrier.arrive(do_empty.index(do_stage))
-                dq_row = bh * q_len + q_start
-                for chunk in gl.static_range(DQ_CHUNKS):  # (the wait for a later chunk's product waits for dK's)
-                    if chunk > 0:
-                        dq = warpgroup_mma(ds_tile, my_keys.slice(chunk * CHUNK, CHUNK, dim=1), zero_dq,
-                                           use_acc=False, is_async=True)
-                        dq = warpgroup_mma_wait(0, deps=(dq,))
-                    # the reduces from the buffers (the last tile's at chunk 0) have read them
-                    if chunk % DQ_BUFFERS == 0:
-                        tma.store_wait(0)
-                    dq_smem.index(chunk % DQ_BUFFERS).store(dq)
-                    fence_async_shared()
-                    tma_reduce_add(dq_desc, [dq_row, FIRST_COLUMN + chunk * CHUNK], dq_smem.index(chunk % DQ_BUFFERS))
-                dk = warpgroup_mma_wait(0, deps=(dk,))
-                mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q of the tile
-                n += 1
-        mbarrier.arrive(kv_empty)  # this warpgroup's products are done with the item's K and V
-        _store_dk_dv(DK, DV, dk, dv, bk * kv_len + kv_start, bk * kv_len + kv_own, FIRST_COLUMN,
-                     HEAD_DIM + HEAD_DIM2, scale, acc_layout)
-        i += 1
+                tma_reduce_add(dq_desc, [dq_row, FIRST_COLUMN + chunk * CHUNK], dq_smem.index(chunk % DQ_BUFFERS))
+            dk = warpgroup_mma_wait(0, deps=(dk,))
+            mbarrier.arrive(q_empty.index(stage))  # this warpgroup is done with Q of the tile
+            n += 1
+    _store_dk_dv(DK, DV, dk, dv, bk * kv_len + kv_start, bk * kv_len + kv_own, FIRST_COLUMN, HEAD_DIM + HEAD_DIM2,
+                 scale, acc_layout)
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *SCHEDULE_ARGS, *TABLE_STRIDE_ARGS])
+@gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
 def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, dq_desc, dq2_desc,
-                         lse_desc, delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, MODS,
-                         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                         stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n,
-                         stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, n_items,
-                         num_programs, qk_scale, scale, MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr,
-                         RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                         lse_desc, delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_qb,
+                         stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                         stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                         stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
+                         MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
                          SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                          HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.constexpr,
                          DQ_BUFFERS: gl.constexpr):
-    """The backward at head dims 160-256: work items (batch, key/value head, 64-key tile), the arguments
+    """The backward at head dims 160-256: one program per (batch, key/value head, 64-key tile), the arguments
     as ``_attn_bwd_gluon``'s with K and V in boxes of the whole tile, always two parts (``WIDE``), and dq_desc,
     dq2_desc in boxes of at most 64 columns: dK and dV of 64 keys x 160-256 columns do not fit one warpgroup's
     registers, so warpgroup w holds the columns of part w (``_consumer_wide``), and S^T, dP^T of half the queries
@@ -784,13 +743,11 @@ def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_d
     dq_smem1 = gl.allocate_shared_memory(gl.float32, [min(HEAD_DIM2 // CHUNK2, DQ_BUFFERS), BLOCK_M, CHUNK2],
                                          dq2_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    mbarrier.init(kv_empty, count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
@@ -800,27 +757,24 @@ def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_d
 
     gl.warp_specialize([
         (_consumer_wide, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                          p_smem, ds_smem, dq_smem0, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, dq_desc,
-                          DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, MODS, stride_num_b, stride_num_h,
-                          stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, n_items,
-                          num_programs, qk_scale, scale, 0, MASK_KIND, SCHEDULED, RAGGED, IS_CAUSAL, MASK_MOD,
-                          SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES,
-                          DO_STAGES)),
+                          p_smem, ds_smem, dq_smem0, kv_ready, q_ready, q_empty, do_ready, do_empty, dq_desc, DK, DV,
+                          FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n,
+                          stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0,
+                          MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M,
+                          SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES, DO_STAGES)),
         (_consumer_wide, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                          p_smem, ds_smem, dq_smem1, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, dq2_desc,
-                          DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, MODS, stride_num_b, stride_num_h,
-                          stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, n_items,
-                          num_programs, qk_scale, scale, 1, MASK_KIND, SCHEDULED, RAGGED, IS_CAUSAL, MASK_MOD,
-                          SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES,
-                          DO_STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc, q_smem,
-                     do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, kv_ready,
-                     kv_empty, q_ready, q_empty, do_ready, do_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE,
-                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                     stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
-                     stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, n_items, num_programs,
-                     MASK_KIND, SCHEDULED, RAGGED, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES,
-                     DO_STAGES)),
+                          p_smem, ds_smem, dq_smem1, kv_ready, q_ready, q_empty, do_ready, do_empty, dq2_desc, DK, DV,
+                          FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n,
+                          stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1,
+                          MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M,
+                          SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES, DO_STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc,
+                     q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
+                     kv_ready, q_ready, q_empty, do_ready, do_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                     stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n,
+                     stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND,
+                     RAGGED, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, DO_STAGES)),
     ], [4, 4 if MASK_KIND == 2 else 1], [240, 24])
 
 
@@ -900,12 +854,13 @@ def _stats(x: torch.Tensor, block_m: int) -> TensorDescriptor:
 
 
 @functools.lru_cache(maxsize=None)
-def _constexprs(mask_kind: int, scheduled: bool, ragged: bool, causal: bool, sparse_block: tuple[int, int],
-                parts: tuple[int, int], mods: tuple) -> dict:
+def _constexprs(mask_kind: int, ragged: bool, causal: bool, sparse_block: tuple[int, int], parts: tuple[int, int],
+                mods: tuple) -> dict:
     mask_mod, score_mod, score_keys = mods
-    return dict(MASK_KIND=mask_kind, SCHEDULED=scheduled, RAGGED=ragged, IS_CAUSAL=causal, MASK_MOD=mask_mod,
-                SCORE_MOD=score_mod, SCORE_KEYS=score_keys, SPARSE_BLOCK_M=sparse_block[0],
-                SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=parts[0], HEAD_DIM2=parts[1], STAGES=STAGES, num_warps=4,
+    return dict(MASK_KIND=mask_kind, RAGGED=ragged, IS_CAUSAL=causal, MASK_MOD=mask_mod, SCORE_MOD=score_mod,
+                SCORE_KEYS=score_keys,
+                SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1],
+                HEAD_DIM=parts[0], HEAD_DIM2=parts[1], STAGES=STAGES, num_warps=4,
                 **dict(zip(("DO_STAGES", "DQ_BUFFERS"), WIDE_BUFFERS.get(sum(parts), ()))))
 
 
@@ -992,49 +947,10 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dq_acc, dk, dv, mods: tor
     lse_desc, delta_desc = (_stats(dq_acc, block_m), _stats(dq_acc, block_m)) if ahead else (
         _stats(stats[0], block_m), _stats(stats[1], block_m))
     tables, table_strides = plan.tables_of("q")
-    n_items = plan.batch * plan.kv_heads * cdiv(plan.kv_len, key_tile)
-    persistent = min(n_items, multiprocessors(q.device))  # a program a multiprocessor where items are scheduled
-    schedule = _schedule(plan, block_m, key_tile, persistent)
-    programs = n_items if schedule is None else persistent
     return BACKWARD_GLUON_WIDE if q.shape[3] in WIDE else BACKWARD_GLUON, (
-        (programs,),
-        (*descriptors, *dq_descs, lse_desc, delta_desc, dk, dv, *tables,
-         plan.placeholder if schedule is None else schedule, mods),
+        (plan.batch * plan.kv_heads * cdiv(plan.kv_len, key_tile),),
+        (*descriptors, *dq_descs, lse_desc, delta_desc, dk, dv, *tables, mods),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *table_strides, plan.heads,
-         plan.groups, plan.q_len, plan.kv_len, stats_stride, n_items, programs, plan.qk_scale, plan.scale),
-        _constexprs(KIND_CODES[plan.kind], schedule is not None,
-                    plan.q_len % block_m != 0 or plan.kv_len % key_tile != 0, plan.causal, plan.sparse_block, parts,
-                    (plan.mask_mod, plan.score_mod, plan.score_keys)))
-
-
-def _schedule(plan, block_m: int, key_tile: int, programs: int) -> torch.Tensor | None:
-    """The table of each program's work items (``work_schedule``: item bk * key tiles + key tile) where columns
-    differ in length (CAUSAL, and SPARSE masks whose longest column of blocks has over
-    ``work_schedule.UNEQUAL_LINES`` times the mean), else None (a program per item). Kept in the plan.
-
-    The items of each (batch, key/value head) in turn, the longest columns first, each go to the program whose
-    items so far cost least (``work_schedule.greedy_schedule``, an item costing ITEM_COST besides its query tiles)."""
-    return kept_schedule(plan, "gluon_backward_schedule", programs, lambda: _item_tiles(plan, block_m, key_tile),
-                         ITEM_COST)
-
-
-def _item_tiles(plan, block_m: int, key_tile: int) -> torch.Tensor | None:
-    """(B * key/value heads, key tiles) query tiles each work item walks (over its GQA group's heads) where columns
-    differ in length (``_schedule``), else None."""
-    n_tiles = math.ceil(plan.kv_len / key_tile)
-    m_tiles = math.ceil(plan.q_len / block_m)
-    if plan.kind is MaskKind.CAUSAL:  # the query tiles from the key tile's first key on (``_column``)
-        tiles = (m_tiles - torch.arange(n_tiles) * key_tile // block_m).clamp(min=0) * plan.groups
-        return tiles.expand(plan.batch * plan.kv_heads, -1)
-    if plan.kind is not MaskKind.SPARSE:
-        return None
-    full_num, _, part_num, _ = plan.tables_of("q")[0]
-    blocks = (full_num + part_num).float().cpu()  # (heads or batch, heads, columns) of the layout
-    while blocks.dim() < 3:
-        blocks = blocks.unsqueeze(0)
-    blocks = blocks.expand(plan.batch, plan.heads, -1).reshape(plan.batch, plan.kv_heads, plan.groups, -1).sum(2)
-    if blocks.amax().item() <= UNEQUAL_LINES * blocks.mean().item():
-        return None
-    per_block = (plan.sparse_block[0] // block_m, plan.sparse_block[1] // key_tile)
-    tiles = blocks.repeat_interleave(per_block[1], dim=-1)[..., :n_tiles] * per_block[0]
-    return tiles.reshape(plan.batch * plan.kv_heads, n_tiles)
+         plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
+        _constexprs(KIND_CODES[plan.kind], plan.q_len % block_m != 0 or plan.kv_len % key_tile != 0, plan.causal,
+                    plan.sparse_block, parts, (plan.mask_mod, plan.score_mod, plan.score_keys)))
