@@ -113,14 +113,20 @@ def cases() -> dict:
         "backward-d128-dense-ragged": ("backward", 128, masks.make("dense", RAGGED_LEN), None),
         "backward-d64-alibi-ragged": ("backward", 64, masks.make("causal", RAGGED_LEN), alibi),
         "backward-d160-causal-ragged": ("backward", 160, masks.make("causal", RAGGED_LEN), None),
+        "forward-d128-causal-key-lengths": ("forward", 128, causal, None, True),
+        "forward-d64-dense-key-lengths": ("forward", 64, masks.make("dense", SEQ_LEN), None, True),  # three consumers
+        "backward-d128-dense-key-lengths": ("backward", 128, masks.make("dense", SEQ_LEN), None, True),
+        "backward-d256-causal-key-lengths": ("backward", 256, causal, None, True),
     }
 
 
-def compile_case(direction: str, dim: int, mask, score_mod) -> list:
-    """The kernels ``launch`` of ``direction`` compiles for (2, HEADS, the mask's length, dim) bf16 inputs."""
+def compile_case(direction: str, dim: int, mask, score_mod, key_lengths: bool = False) -> list:
+    """The kernels ``launch`` of ``direction`` compiles for (2, HEADS, the mask's length, dim) bf16 inputs (with
+    ``key_lengths``, a key length per batch)."""
     q = torch.randn(2, HEADS, mask.q_len, dim, dtype=torch.bfloat16)
     score_graph = trace(score_mod, "score_mod") if score_mod is not None else None
-    plan = LaunchPlan(q, q, mask, False, dim ** -0.5, score_graph)
+    plan = LaunchPlan(q, q, mask, key_lengths, dim ** -0.5, score_graph)
+    lengths = plan.key_lengths_arg(torch.tensor([mask.kv_len - 100, 3]) if key_lengths else None)
     mods = plan.mods_table(plan.captures(score_graph))
     module = forward_gluon if direction == "forward" else backward_gluon
     launchers = {"forward": ["FORWARD_GLUON"],
@@ -131,11 +137,12 @@ def compile_case(direction: str, dim: int, mask, score_mod) -> list:
         setattr(module, name, stand_in)
     try:
         if direction == "forward":
-            assert module.launch(plan, q, q, q, torch.empty_like(q), torch.empty(q.shape[:3]), mods)
+            assert module.launch(plan, q, q, q, torch.empty_like(q), torch.empty(q.shape[:3]), lengths, mods)
         else:
             stats = torch.zeros(2 * HEADS, mask.q_len)
             grads = [torch.empty_like(q) for _ in range(2)]
-            assert module.launch(plan, q, q, q, q, stats, stats, module.accumulator(plan, q), *grads, mods, mask.q_len)
+            assert module.launch(plan, q, q, q, q, stats, stats, module.accumulator(plan, q), *grads, lengths, mods,
+                                 mask.q_len)
     finally:
         for name, original in originals.items():
             setattr(module, name, original)
@@ -145,13 +152,13 @@ def compile_case(direction: str, dim: int, mask, score_mod) -> list:
 SERIALIZED = "wgmma.mma_async instructions are serialized"  # ptxas's info where too few registers hold them in flight
 
 
-def compile_logged(direction: str, dim: int, mask, score_mod) -> tuple[list, str]:
+def compile_logged(direction: str, dim: int, mask, score_mod, key_lengths: bool = False) -> tuple[list, str]:
     """``compile_case``'s kernels and the info output of the ptxas runs that built them (none for a kernel already
     in Triton's cache)."""
     log = io.StringIO()
     with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
         knobs.nvidia.dump_ptxas_log = True
-        compiled = compile_case(direction, dim, mask, score_mod)
+        compiled = compile_case(direction, dim, mask, score_mod, key_lengths)
     return compiled, log.getvalue()
 
 

@@ -360,6 +360,27 @@ def test_gpu_gluon_forward_on_lengths_its_tiles_do_not_divide(case, q_len, kv_le
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dim, dtype", [(64, torch.bfloat16), (80, torch.float16), (128, torch.bfloat16),
+                                        (256, torch.bfloat16)], ids=["d64-bf16", "d80-fp16", "d128-bf16", "d256-bf16"])
+@pytest.mark.parametrize("pattern, q_len, kv_len", [
+    ("dense", 512, 512), ("causal", 700, 700), ("dense", 300, 1000), ("causal", 1000, 700)], ids=str)
+def test_gpu_gluon_kernels_take_key_lengths(pattern, q_len, kv_len, dim, dtype, monkeypatch):
+    """key_lengths with DENSE and CAUSAL masks (``gluon_tools.key_end``): a batch of all its keys, one ending inside
+    the last key tile, one inside the first, one of none (rows of no key: o = 0, lse = -inf); the Gluon forward's
+    walks end at each batch's last key, the Gluon backward's key tiles past it store zeros; GQA, lengths the tiles
+    do not divide. o, lse and the gradients against the reference."""
+    if not gluon_hopper(torch.device("cuda")):
+        pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
+    monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    q = torch.randn(4, 4, q_len, dim, dtype=dtype, device="cuda")
+    k, v = (torch.randn(4, 2, kv_len, dim, dtype=dtype, device="cuda") for _ in range(2))
+    key_lengths = torch.tensor([kv_len, kv_len - 37, 5, 0], device="cuda")
+    launched = _spy_launches(monkeypatch)
+    check_backend("triton", q, k, v, make(pattern, q_len, kv_len), torch.randn_like(q), key_lengths)
+    _assert_gluon_ran(launched, dim)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("pattern", ["dense", "blocks-of-64-keys"])
 def test_gpu_gluon_forward_odd_key_tiles_across_items(pattern, monkeypatch):
     """Head dim 256 (two K/V buffers, K released apart from V): 5 key tiles an item (SPARSE: 3 or none, blocks of
@@ -457,17 +478,18 @@ def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
     ("d64-q192", True, True), ("d64-q384", True, True), ("q100", True, True), ("d64-q100", True, False),
     ("q200", True, True), ("kv300", True, True), ("kv100", False, False), ("causal-q200-kv300", True, True),
     ("blocks-64", False, False), ("ragged-last-block", False, False), ("random-kv300", False, False),
-    ("key-lengths", False, False), ("dropout", False, False), ("trained-captures", True, False),
+    ("key-lengths", True, True), ("causal-key-lengths", True, True), ("random-key-lengths", False, False),
+    ("dropout", False, False), ("trained-captures", True, False),
     ("special-per-score", False, True),
 ], ids=str)
 def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
     """fp16/bf16 of head dim 64, 128 or 256 or one of two parts without padding (48, 80, 96, 160, 192; not 72, whose
     second part would be padded, nor 112, padded to 128); DENSE and CAUSAL masks on lengths of at least a tile, SPARSE
-    masks on lengths that the tiles divide (forward: 128 queries and 128 keys, 64 at head dims 192 and 256; backward:
-    64 queries at head dims 80-256, 128 at 48 and 64, and 128 keys, 64 at 160-256), with blocks that the tiles divide
-    and that divide the lengths, no key_lengths or dropout; the forward no score function that evaluates exp, log,
-    tanh or sqrt per score, the backward none whose captured tensors take gradients (SPARSEFLASH_GLUON=1; the GPU and
-    Triton are ``gluon_hopper``'s)."""
+    masks on lengths that the tiles divide (forward: 128 queries and 128 keys, 64 at head dims 192 and 256; backward: 64
+    queries at head dims 80-256, 128 at 48 and 64, and 128 keys, 64 at 160-256), with blocks that the tiles divide and
+    that divide the lengths, key_lengths with DENSE and CAUSAL masks only, no dropout; the forward no score function
+    that evaluates exp, log, tanh or sqrt per score, the backward none whose captured tensors take gradients
+    (SPARSEFLASH_GLUON=1; the GPU and Triton are ``gluon_hopper``'s)."""
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     shapes = dict(fp32=dict(dtype=torch.float32), d96=dict(dim=96), d48=dict(dim=48), d72=dict(dim=72),
                   d112=dict(dim=112), **{"d96-q192": dict(q_len=192, dim=96), "d48-q192": dict(q_len=192, dim=48),
@@ -492,7 +514,7 @@ def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
         mask = make(case.split("-")[0], q.shape[2], k.shape[2], **params)
     else:
         mask = make("dense", q.shape[2], k.shape[2])
-    flags = dict(has_key_lengths=case == "key-lengths", dropout=case == "dropout")
+    flags = dict(has_key_lengths=case.endswith("key-lengths"), dropout=case == "dropout")
     assert forward_gluon.applies(q, k, mask, 256, **flags, special_per_score=case == "special-per-score",
                                  functions=False) is forward
     assert backward_gluon.applies(q, k, mask, 256, **flags, trains_captures=case == "trained-captures") is backward
@@ -550,7 +572,8 @@ def test_the_gluon_forward_takes_three_consumers_at_head_dims_48_and_64(case, di
         mask = make("causal" if case == "alibi" else case, q_len, **({"density": 0.5} if case == "random" else {}))
     plan = LaunchPlan(q, k, mask, False, dim ** -0.5, graph)
     grid, tensors, scalars, constexprs = forward_gluon._arguments(
-        plan, q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]), plan.mods_table(plan.captures(graph)))
+        plan, q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]), plan.key_lengths_arg(None),
+        plan.mods_table(plan.captures(graph)))
     assert constexprs["WARPGROUPS"] == consumers
     n_items = scalars[-3]  # (..., q_len, kv_len, n_items, programs, qk_scale)
     assert scalars[-5:-3] == (q_len, q_len) and n_items == 2 * 4 * items and grid[0] <= n_items
@@ -578,7 +601,8 @@ def test_the_gluon_forward_schedules_rows_of_unequal_lengths(case, dim, q_len, k
     mask = _unequal_rows(q_len, kv_len, 4) if case == "unequal-rows" else make(case, q_len, kv_len)
     plan = LaunchPlan(q, k, mask, False, dim ** -0.5, None)
     grid, tensors, scalars, constexprs = forward_gluon._arguments(
-        plan, q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]), plan.mods_table(plan.captures(None)))
+        plan, q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]), plan.key_lengths_arg(None),
+        plan.mods_table(plan.captures(None)))
     programs, n_items = grid[0], scalars[-3]
     assert programs == 5 and constexprs["SCHEDULED"] == (case in ("causal", "unequal-rows"))
     if not constexprs["SCHEDULED"]:
@@ -590,7 +614,7 @@ def test_the_gluon_forward_schedules_rows_of_unequal_lengths(case, dim, q_len, k
         tiles = torch.tensor(row_tiles).repeat(2 * 4)
     else:
         tiles = mask.layout.sum(-1).expand(2, 4, -1).flatten()  # 128 x 128 blocks: a key tile a block
-    _assert_greedy_schedule(tensors[-2].tolist(), programs, n_items, tiles, forward_gluon.ITEM_COST)
+    _assert_greedy_schedule(tensors[-3].tolist(), programs, n_items, tiles, forward_gluon.ITEM_COST)
 
 
 def _assert_greedy_schedule(schedule: list[int], programs: int, n_items: int, tiles: torch.Tensor, item_cost: float):
@@ -646,10 +670,10 @@ def test_a_layout_tma_cannot_read_launches_nothing():
     assert q.stride(3) == 2
     plan = LaunchPlan.of(q, q, make("dense", 256), False, 128 ** -0.5)
     mods = plan.mods_table([])
-    assert not forward_gluon.launch(plan, q, q, q, torch.empty_like(q), torch.empty(1, 2, 256), mods)
+    assert not forward_gluon.launch(plan, q, q, q, torch.empty_like(q), torch.empty(1, 2, 256), plan.placeholder, mods)
     stats = torch.empty(2, 256)
     grads = [torch.empty(q.shape, dtype=q.dtype) for _ in range(3)]
-    assert not backward_gluon.launch(plan, q, q, q, q, stats, stats, *grads, mods, 256)
+    assert not backward_gluon.launch(plan, q, q, q, q, stats, stats, *grads, plan.placeholder, mods, 256)
 
 
 @pytest.mark.parametrize("case", ["expanded", "pooled", "overlapping-rows", "strided-columns"])
@@ -674,7 +698,8 @@ def test_deterministic_algorithms_keep_the_triton_backward():
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert not backward_gluon.launch(plan, q, q, q, q, stats, stats, *grads, plan.mods_table([]), 256)
+        assert not backward_gluon.launch(plan, q, q, q, q, stats, stats, *grads, plan.placeholder, plan.mods_table([]),
+                                         256)
     finally:
         torch.use_deterministic_algorithms(before)
 
@@ -702,7 +727,7 @@ def test_the_gluon_forward_reads_a_box_per_part_of_the_head_dim(dim, parts):
     k = torch.randn(2, 2, 256, dim, dtype=torch.bfloat16)
     plan = LaunchPlan(q, k, make("causal", 256), False, dim ** -0.5, None)
     grid, tensors, scalars, constexprs = forward_gluon._arguments(
-        plan, q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]), plan.placeholder)
+        plan, q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]), plan.placeholder, plan.placeholder)
     first, second = parts
     key_tile = forward_gluon.KEY_TILE[dim]
     boxes = [list(d.block_shape) for d in tensors[:6]]
@@ -736,7 +761,7 @@ def test_the_gluon_backward_reads_a_box_per_part_of_the_head_dim(dim, parts, dq_
     dq_acc = backward_gluon.accumulator(plan, q)
     kernel, (grid, tensors, scalars, constexprs) = backward_gluon._arguments(
         plan, q, k, k, torch.randn_like(q), (stats, stats), dq_acc, torch.empty_like(k), torch.empty_like(k),
-        plan.placeholder, 256)
+        plan.placeholder, plan.placeholder, 256)
     wide = dim in backward_gluon.WIDE
     assert kernel is (backward_gluon.BACKWARD_GLUON_WIDE if wide else backward_gluon.BACKWARD_GLUON)
     assert grid == (2 * 2 * 256 // backward_gluon.KEY_TILE[dim],)

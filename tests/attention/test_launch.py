@@ -427,12 +427,12 @@ def test_the_gluon_backwards_compiling_check_keys_the_launch_its_compile_ahead_k
     stats_stride = backward._stats_stride(plan)
     mods = plan.mods_table([])
     stats = launch.Standin(torch.float32, (2 * 4, stats_stride))
-    assert backward_gluon.compile_ahead(plan, q, k, v, mods, stats, stats_stride)
+    assert backward_gluon.compile_ahead(plan, q, k, v, plan.placeholder, mods, stats, stats_stride)
     do = torch.randn_like(q)
     if do_layout == "misaligned":
         do = torch.randn(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
         assert do.data_ptr() % 16
-    assert backward_gluon.compiling(plan, q, k, v, do, mods, stats_stride)
+    assert backward_gluon.compiling(plan, q, k, v, do, plan.placeholder, mods, stats_stride)
     assert len(asked) == 2 and asked[0] == asked[1]
 
 
@@ -473,7 +473,7 @@ def test_the_triton_forward_stands_in_for_the_gluon_forward_until_it_is_compiled
 
     monkeypatch.setattr(forward_gluon, "compiling", compiling)
     plan = SimpleNamespace(per_layout={"forward_stand_in": {"stand_in": cfg}})
-    arguments = ("q", "k", "v", "o", "lse", "mods")
+    arguments = ("q", "k", "v", "o", "lse", "key_lengths", "mods")
     assert forward._triton_stand_in(plan, *arguments) == cfg and asked == [arguments]
     compiled[0] = True
     assert forward._triton_stand_in(plan, *arguments) is None

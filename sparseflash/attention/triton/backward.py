@@ -666,9 +666,10 @@ def _launch(plan, q, k, v, o, lse, do, dlse, key_lengths, delta, lse2, dq, dk, d
         return stand_in is not None and run_stand_in(state, launches)
 
     if gluon is not None:
-        if stood_in("gluon_backward_stand_in", lambda _: gluon.compiling(plan, q, k, v, do, mods, stats_stride)):
+        if stood_in("gluon_backward_stand_in",
+                    lambda _: gluon.compiling(plan, q, k, v, do, key_lengths, mods, stats_stride)):
             return None
-        if gluon.launch(plan, q, k, v, do, lse2, delta, dq_acc, dk, dv, mods, stats_stride):
+        if gluon.launch(plan, q, k, v, do, lse2, delta, dq_acc, dk, dv, key_lengths, mods, stats_stride):
             return "gluon"
     kernels = _kernels(plan)
     if kernels is FUSED and stood_in("backward_stand_in",
@@ -702,10 +703,10 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
 
     kernels = _kernels(plan)
     gluon = gluon_kernels("backward") if plan.gluon_backward else None
-    if gluon is not None and gluon.compile_ahead(plan, q, k, v, mods, stats, stats_stride):
+    if gluon is not None and gluon.compile_ahead(plan, q, k, v, key_lengths, mods, stats, stats_stride):
         # (without them, a new function's first backward waited for the Gluon backward's compile: on an H100 host
         # 1.0-1.2 s at head dim 64, 0.5-0.8 s at 128)
-        if stand_ins and gluon.compiling(plan, q, k, v, out, mods, stats_stride):
+        if stand_ins and gluon.compiling(plan, q, k, v, out, key_lengths, mods, stats_stride):
             stand_in("gluon_backward_stand_in", [(fit(kernel, gluon_stand_in(plan), plan.backward_key), programs)
                                                  for kernel, programs in SPLIT])
         return

@@ -56,6 +56,9 @@ Constexpr flags:
                  reads past a head's rows; their scores shared with the tile before are dropped (``_probabilities``)
                  and the program's keys shared with the tile before are not stored (``_store_dk_dv``).
   IS_CAUSAL      SPARSE only: the partial blocks are cut by q_idx >= kv_idx (top-left alignment).
+  HAS_KEY_LENGTHS  DENSE or CAUSAL: KEY_LENGTHS[b] ends batch b's keys (``gluon_tools.key_end``): a program whose
+                 own keys start at or past it walks no query tile (it stores zeros), the tile across it drops the
+                 keys past it (``_probabilities``).
   MASK_MOD, SCORE_MOD, SCORE_KEYS  the generated helpers (codegen.py) as in backward.py, or None: MASK_MOD
                  cuts the partial blocks too; dS is scaled by SCORE_MOD's derivative. A separable function's
                  row terms are off lse2 before the kernel starts (``_lse2_less_rows``).
@@ -95,7 +98,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.forward_persistent import row_view_rows
-from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, moved_back,
+from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, key_end, listed_walk, load_box, moved_back,
                                                       named_sync, ring_index, row_view, row_view_coords,
                                                       thread_barrier, tma_load, tma_reduce_add, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
@@ -133,26 +136,29 @@ TABLE_STRIDE_ARGS = ["stride_num_b", "stride_num_h", "stride_num_n", "stride_idx
 
 
 @gluon.jit
-def _program_tile(heads, groups, kv_len, BLOCK_N: gl.constexpr, RAGGED: gl.constexpr):
-    """(batch * key/value head, batch, key/value head, first key, first key of its own) of this program: the key
-    tiles of a head in turn. With RAGGED the last tile ends at kv_len (``moved_back``): its keys before the second
-    start are the tile before's."""
+def _program_tile(heads, groups, kv_len, KEY_LENGTHS, BLOCK_N: gl.constexpr, RAGGED: gl.constexpr,
+                  HAS_KEY_LENGTHS: gl.constexpr):
+    """(batch * key/value head, batch, key/value head, first key, first key of its own, end of the batch's keys
+    (``gluon_tools.key_end``)) of this program: the key tiles of a head in turn. With RAGGED the last tile ends at
+    kv_len (``moved_back``): its keys before the second start are the tile before's."""
     tiles = gl.cdiv(kv_len, BLOCK_N)
     bk = gl.program_id(0) // tiles
     kv_heads = heads // groups
     kv_own = (gl.program_id(0) % tiles) * BLOCK_N
-    return bk, bk // kv_heads, bk % kv_heads, moved_back(kv_own, kv_len, BLOCK_N, RAGGED), kv_own
+    b = bk // kv_heads
+    return bk, b, bk % kv_heads, moved_back(kv_own, kv_len, BLOCK_N, RAGGED), kv_own, key_end(KEY_LENGTHS, b, kv_len,
+                                                                                            HAS_KEY_LENGTHS)
 
 
 @gluon.jit
-def _column(b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+def _column(b, h, kv_start, kv_end, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND: gl.constexpr,
             BLOCK_M: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
     """The query tiles of head h (of batch b) that see the key tile at kv_start (the program's own keys'): (first,
     n_full, n_tiles, full_idx, part_idx), tile t of the walk at ``gluon_tools.walk_tile_start`` (moved back to end
-    at q_len where RAGGED, ``moved_back``): DENSE every tile, CAUSAL
-    the tiles from the key tile's first key on (first), SPARSE the tiles of the listed full blocks (n_full),
-    then of the partial ones."""
+    at q_len where RAGGED, ``moved_back``): DENSE every tile, CAUSAL the tiles from the key tile's first key on
+    (first), none where the tile starts at or past the end of the batch's keys kv_end; SPARSE the tiles of the
+    listed full blocks (n_full), then of the partial ones."""
     first = 0
     full_idx = FULL_IDX
     part_idx = PART_IDX
@@ -162,24 +168,26 @@ def _column(b, h, kv_start, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, strid
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, SPARSE_BLOCK_M // BLOCK_M)
     elif MASK_KIND == 1:
         first = kv_start // BLOCK_M
-        n_tiles = gl.maximum(gl.cdiv(q_len, BLOCK_M) - first, 0)
+        n_tiles = gl.where(kv_start < kv_end, gl.maximum(gl.cdiv(q_len, BLOCK_M) - first, 0), 0)
         n_full = 0
     else:
-        n_tiles = gl.cdiv(q_len, BLOCK_M)
+        n_tiles = gl.where(kv_start < kv_end, gl.cdiv(q_len, BLOCK_M), 0)
         n_full = n_tiles
     return first, n_full, n_tiles, full_idx, part_idx
 
 
 @gluon.jit
-def _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, kv_own, offs_kv, kv_first, keys,
-                   qk_scale, soft_scale, MODS, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                   MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr):
+def _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, kv_own, kv_end, offs_kv, kv_first,
+                   keys, qk_scale, soft_scale, MODS, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
+                   HAS_KEY_LENGTHS: gl.constexpr, BLOCK_N: gl.constexpr):
     """(P^T, dS^T's factor) of tile t of a walk from the products S^T (keys offs_kv x queries q_idx, a (1, queries)
     row): p = exp2(s * soft_scale - lse2), or with SCORE_MOD of its base-2 scores at reference query q_own, the
     tile's first query of its own (lse2 is less their row terms there), its derivative the factor (1.0 without); 0
     where CAUSAL's diagonal (the program's keys from kv_start, BLOCK_N of them, across the query tile) or the
-    partial blocks' cut (IS_CAUSAL, MASK_MOD) drop it, and (RAGGED) on the queries before q_own and the keys before
-    kv_own, which a tile moved back to end at q_len or kv_len shares with the tile before (``moved_back``)."""
+    partial blocks' cut (IS_CAUSAL, MASK_MOD) drop it, (RAGGED) on the queries before q_own and the keys before
+    kv_own, which a tile moved back to end at q_len or kv_len shares with the tile before (``moved_back``), and
+    (HAS_KEY_LENGTHS) on the keys from the end of the batch's, kv_end."""
     d_score = 1.0
     if SCORE_MOD is not None:
         s_t, d_score = modded_scores(s_t, b, h, q_idx, offs_kv[:, None], q_own, kv_first, keys, qk_scale, MODS,
@@ -200,6 +208,9 @@ def _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, 
     if RAGGED:
         if (q_start != q_own) | (kv_start != kv_own):  # a tile moved back
             p_t = gl.where((offs_kv >= kv_own)[:, None] & (q_idx >= q_own), p_t, 0.0)
+    if HAS_KEY_LENGTHS:
+        if kv_start + BLOCK_N > kv_end:  # the tile across the batch's last key
+            p_t = gl.where((offs_kv < kv_end)[:, None], p_t, 0.0)
     return p_t, d_score
 
 
@@ -220,13 +231,13 @@ def _store_dk_dv(DK, DV, dk, dv, first_row, own_row, first_column, pitch, scale,
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc, q_smem,
               do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, kv_ready, q_ready,
-              q_empty, do_ready, do_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+              q_empty, do_ready, do_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
               stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
               stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride,
-              MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr,
-              DO_STAGES: gl.constexpr):
+              MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr, BLOCK_N: gl.constexpr,
+              SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr,
+              STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
     """K and V of the program's key tile, then Q, dO, lse2 and delta of each query tile of its walk into the
     ring's next buffer once both consumers released the tile it held; with HEAD_DIM2, each of Q, K, V and dO
     with its second part (q2/k2/v2/do2). DO_STAGES 0: dO and delta ride in Q's ring (its barriers; do_ready and
@@ -237,7 +248,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
     K_BYTES: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
     Q_BYTES: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
     ROW_BYTES: gl.constexpr = Q_BYTES + lse_desc.block_type.nbytes  # a tile's Q and lse2 (dO and delta alike)
-    _, b, kv_head, kv_start, kv_own = _program_tile(heads, groups, kv_len, BLOCK_N, RAGGED)
+    _, b, kv_head, kv_start, kv_own, kv_end = _program_tile(heads, groups, kv_len, KEY_LENGTHS, BLOCK_N, RAGGED,
+                                                            HAS_KEY_LENGTHS)
     k_row, k_col = row_view_coords(b, kv_head, kv_start, stride_kb, stride_kh, stride_kn)
     v_row, v_col = row_view_coords(b, kv_head, kv_start, stride_vb, stride_vh, stride_vn)
     mbarrier.expect(kv_ready, 2 * (BLOCK_N // K_ROWS) * K_BYTES)
@@ -250,7 +262,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
     for g in range(groups):
         h = kv_head * groups + g
         first, n_full, n_tiles, full_idx, part_idx = _column(
-            b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            b, h, kv_own, kv_end, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
             SPARSE_BLOCK_N)
         stats_row = (b * heads + h) * stats_stride
@@ -286,11 +298,12 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
 @gluon.jit
 def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, ds_smem,
               dq_smem, dq2_smem, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM, FULL_IDX, PART_NUM,
-              PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
-              heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr, MASK_KIND: gl.constexpr,
+              PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
+              stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr, MASK_KIND: gl.constexpr,
               RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
-              SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
+              SCORE_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr, BLOCK_N: gl.constexpr,
+              SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end
     (DK, DV: (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous; with HEAD_DIM2 their second part's
     columns in dk2 and dv2), and its part of each tile's dQ (``_dq_descriptors``), staged for ``_dq_writer`` in the
@@ -326,7 +339,8 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
         dq_keys = k2_smem
     else:
         dq_keys = k_smem.slice(DQ_COLUMN, DQ_COLUMNS, dim=1)
-    bk, b, kv_head, kv_start, kv_own = _program_tile(heads, groups, kv_len, BLOCK_N, RAGGED)
+    bk, b, kv_head, kv_start, kv_own, kv_end = _program_tile(heads, groups, kv_len, KEY_LENGTHS, BLOCK_N, RAGGED,
+                                                             HAS_KEY_LENGTHS)
     my_keys = k_smem.slice(WG * HALF_N, HALF_N)
     my_values = v_smem.slice(WG * HALF_N, HALF_N)
     my_keys2 = k2_smem.slice(WG * HALF_N, HALF_N)
@@ -356,7 +370,7 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
     for g in range(groups):
         h = kv_head * groups + g
         first, n_full, n_tiles, full_idx, part_idx = _column(
-            b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            b, h, kv_own, kv_end, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
             SPARSE_BLOCK_N)
         keys = key_steps(b, h, (offs_kv - kv_first)[:, None], MODS, SCORE_KEYS)  # 0.0 without a linear key term
@@ -374,9 +388,9 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
             s_t = warpgroup_mma_wait(PARTS, deps=(s_t,))
             q_idx = (q_start + cols_q)[None, :]
             lse2 = lse_smem.index(stage).load(gl.SliceLayout(0, s_layout))
-            p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, kv_own, offs_kv,
-                                          kv_first, keys, qk_scale, soft_scale, MODS, MASK_KIND, RAGGED, IS_CAUSAL,
-                                          MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N)
+            p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, kv_own, kv_end,
+                                          offs_kv, kv_first, keys, qk_scale, soft_scale, MODS, MASK_KIND, RAGGED,
+                                          IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, HAS_KEY_LENGTHS, BLOCK_N)
             p_op = gl.convert_layout(p_t.to(q.dtype), a_layout)
             dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
             ds_t = p_t * (dp_t - delta_smem.index(stage).load(gl.SliceLayout(0, s_layout))[None, :])
@@ -454,19 +468,21 @@ def _add_dq_tiles(dq_desc, dq2_desc, dq_smem, dq2_smem, row, WG: gl.constexpr, B
 
 @gluon.jit
 def _dq_writer(dq_desc, dq2_desc, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, dq_full, dq_empty, FULL_NUM, FULL_IDX,
-               PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
-               heads, groups, q_len, kv_len, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, BLOCK_M: gl.constexpr,
+               PART_NUM, PART_IDX, KEY_LENGTHS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
+               stride_idx_n, heads, groups, q_len, kv_len, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr,
+               HAS_KEY_LENGTHS: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr):
     """The program's walk as the consumers take it: each query tile's dQ tiles, as each consumer staged them
     (dq_full: dq_smemW / dq2_smemW's buffer n % 2 for tile n), added into the accumulator (``_add_dq_tiles``), and
     the buffers given back (dq_empty) once TMA has read them."""
-    _, b, kv_head, kv_start, kv_own = _program_tile(heads, groups, kv_len, BLOCK_N, RAGGED)
+    _, b, kv_head, kv_start, kv_own, kv_end = _program_tile(heads, groups, kv_len, KEY_LENGTHS, BLOCK_N, RAGGED,
+                                                            HAS_KEY_LENGTHS)
     n = 0  # query tiles added so far
     for g in range(groups):
         h = kv_head * groups + g
         first, n_full, n_tiles, full_idx, part_idx = _column(
-            b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            b, h, kv_own, kv_end, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
             SPARSE_BLOCK_N)
         for t in range(n_tiles):
@@ -488,12 +504,13 @@ def _dq_writer(dq_desc, dq2_desc, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, dq_f
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
 def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, dq_desc, dq2_desc, lse_desc,
-                    delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_qb, stride_qh, stride_qm,
-                    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh,
-                    stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n,
-                    heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
+                    delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_qb,
+                    stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob,
+                    stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
+                    stride_idx_n, heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
                     MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
-                    SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+                    SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr,
+                    SPARSE_BLOCK_M: gl.constexpr,
                     SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
                     STAGES: gl.constexpr):
     """One program per (batch, key/value head, 128-key tile) (``_program_tile``). q/k/v/do_desc read Q, K, V,
@@ -501,7 +518,7 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
     ones; q2/k2/v2/do2_desc the HEAD_DIM2 columns after them (the same descriptors, unused, without a second
     part); dq_desc and dq2_desc the fp32 dQ accumulator (B * H * q_len, HEAD_DIM + HEAD_DIM2) in the boxes of
     the consumers' dQ tiles (``_dq_descriptors``); lse_desc and delta_desc lse2 and delta (B * H * stats_stride,
-    from the preprocess) in boxes of BLOCK_M."""
+    from the preprocess) in boxes of BLOCK_M; KEY_LENGTHS (B,) int32 with HAS_KEY_LENGTHS (a placeholder without)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = 2 * k_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -556,26 +573,27 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
                      ds_smem, dq_smem0, dq2_smem0, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM,
-                     FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
-                     stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0, MASK_KIND,
-                     RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-                     HEAD_DIM, HEAD_DIM2, STAGES)),
+                     FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h, stride_num_n,
+                     stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0,
+                     MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, HAS_KEY_LENGTHS, BLOCK_N,
+                     SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
         (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
                      ds_smem, dq_smem1, dq2_smem1, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM,
-                     FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
-                     stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1, MASK_KIND,
-                     RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-                     HEAD_DIM, HEAD_DIM2, STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc,
-                     q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                     kv_ready, q_ready, q_empty, q_ready, q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
-                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                     stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n,
-                     stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND,
-                     RAGGED, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, 0)),
+                     FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h, stride_num_n,
+                     stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1,
+                     MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, HAS_KEY_LENGTHS, BLOCK_N,
+                     SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc, q_smem,
+                     do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, kv_ready,
+                     q_ready, q_empty, q_ready, q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, stride_qb,
+                     stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob,
+                     stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
+                     stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND, RAGGED, HAS_KEY_LENGTHS,
+                     BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, 0)),
         (_dq_writer, (dq_desc, dq2_desc, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, dq_full, dq_empty, FULL_NUM,
-                      FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
-                      stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, MASK_KIND, RAGGED, BLOCK_M, BLOCK_N,
+                      FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, stride_num_b, stride_num_h, stride_num_n,
+                      stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, MASK_KIND, RAGGED,
+                      HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N,
                       SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2)),
     # registers a thread: the consumers' dK, dV and tiles take 240, the producer's loads and the dQ writer's adds 24.
     # The producer is one warp for DENSE and CAUSAL, as the forward's (dense rows 1.03x as fast from S=16384 on an
@@ -589,10 +607,11 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
 @gluon.jit
 def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, p_smem,
                    ds_smem, dq_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, dq_desc, DK, DV, FULL_NUM,
-                   FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
-                   stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr,
-                   MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
-                   SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h, stride_num_n,
+                   stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale,
+                   WG: gl.constexpr, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                   MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
+                   HAS_KEY_LENGTHS: gl.constexpr, BLOCK_N: gl.constexpr,
                    SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                    HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
     """Head dims 160-256 (``_attn_bwd_gluon_wide``): every key of the program's tile, and the columns of part WG
@@ -624,7 +643,8 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
         my_q = q2_smem
         my_do = do2_smem
         my_keys = k2_smem
-    bk, b, kv_head, kv_start, kv_own = _program_tile(heads, groups, kv_len, BLOCK_N, RAGGED)
+    bk, b, kv_head, kv_start, kv_own, kv_end = _program_tile(heads, groups, kv_len, KEY_LENGTHS, BLOCK_N, RAGGED,
+                                                             HAS_KEY_LENGTHS)
     offs_kv = kv_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     cols_q = WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([BLOCK_N, HALF_M], gl.float32, s_layout)
@@ -640,7 +660,7 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
     for g in range(groups):
         h = kv_head * groups + g
         first, n_full, n_tiles, full_idx, part_idx = _column(
-            b, h, kv_own, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
+            b, h, kv_own, kv_end, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, stride_num_b, stride_num_h,
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, MASK_KIND, BLOCK_M, SPARSE_BLOCK_M,
             SPARSE_BLOCK_N)
         bh = b * heads + h
@@ -660,9 +680,9 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
             s_t = warpgroup_mma_wait(2, deps=(s_t,))
             q_idx = (q_start + cols_q)[None, :]
             lse2 = lse_smem.index(stage).slice(WG * HALF_M, HALF_M).load(gl.SliceLayout(0, s_layout))
-            p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, kv_own, offs_kv,
-                                          kv_start, keys, qk_scale, soft_scale, MODS, MASK_KIND, RAGGED, IS_CAUSAL,
-                                          MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N)
+            p_t, d_score = _probabilities(s_t, lse2, t, n_full, b, h, q_start, q_own, q_idx, kv_start, kv_own, kv_end,
+                                          offs_kv, kv_start, keys, qk_scale, soft_scale, MODS, MASK_KIND, RAGGED,
+                                          IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, HAS_KEY_LENGTHS, BLOCK_N)
             dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
             delta = delta_smem.index(do_stage).slice(WG * HALF_M, HALF_M).load(gl.SliceLayout(0, s_layout))
             ds_t = (p_t * (dp_t - delta[None, :]) * d_score).to(my_q.dtype)
@@ -704,12 +724,13 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
 def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, dq_desc, dq2_desc,
-                         lse_desc, delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_qb,
-                         stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                         stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
-                         stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
-                         MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                         lse_desc, delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS,
+                         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                         stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n,
+                         stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride,
+                         qk_scale, scale, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
+                         HAS_KEY_LENGTHS: gl.constexpr,
                          SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                          HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.constexpr,
                          DQ_BUFFERS: gl.constexpr):
@@ -758,23 +779,25 @@ def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_d
     gl.warp_specialize([
         (_consumer_wide, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
                           p_smem, ds_smem, dq_smem0, kv_ready, q_ready, q_empty, do_ready, do_empty, dq_desc, DK, DV,
-                          FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n,
-                          stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0,
-                          MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M,
+                          FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h,
+                          stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len,
+                          qk_scale, scale, 0, MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS,
+                          HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M,
                           SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES, DO_STAGES)),
         (_consumer_wide, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
                           p_smem, ds_smem, dq_smem1, kv_ready, q_ready, q_empty, do_ready, do_empty, dq2_desc, DK, DV,
-                          FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, MODS, stride_num_b, stride_num_h, stride_num_n,
-                          stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1,
-                          MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, BLOCK_N, SPARSE_BLOCK_M,
+                          FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h,
+                          stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len,
+                          qk_scale, scale, 1, MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS,
+                          HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M,
                           SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES, DO_STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc,
-                     q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                     kv_ready, q_ready, q_empty, do_ready, do_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
-                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                     stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n,
-                     stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND,
-                     RAGGED, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, DO_STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc, q_smem,
+                     do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, kv_ready,
+                     q_ready, q_empty, do_ready, do_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS,
+                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                     stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                     stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND, RAGGED,
+                     HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, DO_STAGES)),
     ], [4, 4 if MASK_KIND == 2 else 1], [240, 24])
 
 
@@ -855,10 +878,10 @@ def _stats(x: torch.Tensor, block_m: int) -> TensorDescriptor:
 
 @functools.lru_cache(maxsize=None)
 def _constexprs(mask_kind: int, ragged: bool, causal: bool, sparse_block: tuple[int, int], parts: tuple[int, int],
-                mods: tuple) -> dict:
+                mods: tuple, key_lengths: bool) -> dict:
     mask_mod, score_mod, score_keys = mods
     return dict(MASK_KIND=mask_kind, RAGGED=ragged, IS_CAUSAL=causal, MASK_MOD=mask_mod, SCORE_MOD=score_mod,
-                SCORE_KEYS=score_keys,
+                SCORE_KEYS=score_keys, HAS_KEY_LENGTHS=key_lengths,
                 SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1],
                 HEAD_DIM=parts[0], HEAD_DIM2=parts[1], STAGES=STAGES, num_warps=4,
                 **dict(zip(("DO_STAGES", "DQ_BUFFERS"), WIDE_BUFFERS.get(sum(parts), ()))))
@@ -870,16 +893,17 @@ def accumulator(plan, q: torch.Tensor) -> torch.Tensor:
     return torch.zeros(plan.batch * plan.heads * plan.q_len, q.shape[3], dtype=torch.float32, device=q.device)
 
 
-def launch(plan, q, k, v, do, lse2, delta, dq_acc, dk, dv, mods: torch.Tensor, stats_stride: int,
-           ahead: bool = False) -> bool:
-    """Add dQ into ``dq_acc`` (``accumulator``) and compute dk, dv (contiguous) on a problem ``applies`` admits,
-    from ``lse2`` and ``delta`` of the preprocess, less the score function's row terms (``_lse2_less_rows``, in
-    place), and the plan's MODS table ``mods`` (``ahead``: only compile, with ``Standin``s for do and all past it:
-    a contiguous do, as the usual loss gives); do is read from a fresh contiguous copy where TMA cannot read its
-    layout. False (nothing launched) where TMA cannot read one of q, k, v's layouts, or where torch is asked for
-    deterministic algorithms (``torch.use_deterministic_algorithms``): dQ's TMA adds land in any order, so its
-    last bits vary from run to run, and the Triton backward's do not."""
-    prepared = _arguments(plan, q, k, v, do, None if ahead else (lse2, delta), dq_acc, dk, dv, mods, stats_stride)
+def launch(plan, q, k, v, do, lse2, delta, dq_acc, dk, dv, key_lengths: torch.Tensor, mods: torch.Tensor,
+           stats_stride: int, ahead: bool = False) -> bool:
+    """Add dQ into ``dq_acc`` (``accumulator``) and compute dk, dv (contiguous) on a problem ``applies`` admits, from
+    ``lse2`` and ``delta`` of the preprocess, less the score function's row terms (``_lse2_less_rows``, in place),
+    ``key_lengths`` as ``plan.key_lengths_arg`` gives it, and the plan's MODS table ``mods`` (``ahead``: only compile,
+    with ``Standin``s for do and all past it: a contiguous do, as the usual loss gives); do is read from a fresh
+    contiguous copy where TMA cannot read its layout. False (nothing launched) where TMA cannot read one of q, k, v's
+    layouts, or where torch is asked for deterministic algorithms (``torch.use_deterministic_algorithms``): dQ's TMA
+    adds land in any order, so its last bits vary from run to run, and the Triton backward's do not."""
+    prepared = _arguments(plan, q, k, v, do, None if ahead else (lse2, delta), dq_acc, dk, dv, key_lengths, mods,
+                          stats_stride)
     if prepared is None:
         return False
     kernel, arguments = prepared
@@ -894,19 +918,20 @@ def finish(plan, dq_acc: torch.Tensor, dq: torch.Tensor) -> None:
     torch.mul(dq_acc.view(dq.shape), plan.scale, out=dq)
 
 
-def compile_ahead(plan, q, k, v, mods: torch.Tensor, stats: Standin, stats_stride: int) -> bool:
+def compile_ahead(plan, q, k, v, key_lengths: torch.Tensor, mods: torch.Tensor, stats: Standin,
+                  stats_stride: int) -> bool:
     """Start compiling the kernel ``launch`` will run after a forward on q, k, v; False where it will not."""
     out = Standin(q.dtype, q.shape)
     return launch(plan, q, k, v, out, stats, stats, _small_accumulator(q), Standin(k.dtype, k.shape),
-                  Standin(v.dtype, v.shape), mods, stats_stride, ahead=True)
+                  Standin(v.dtype, v.shape), key_lengths, mods, stats_stride, ahead=True)
 
 
-def compiling(plan, q, k, v, do, mods: torch.Tensor, stats_stride: int) -> bool:
+def compiling(plan, q, k, v, do, key_lengths: torch.Tensor, mods: torch.Tensor, stats_stride: int) -> bool:
     """Whether the compile ahead of the kernel that ``launch`` would run on these inputs is in flight
     (``Launcher.compiling``: what the Triton backward standing in for it waits on); False where ``launch``
     would launch nothing."""
     prepared = _arguments(plan, q, k, v, do, None, _small_accumulator(q), Standin(k.dtype, k.shape),
-                          Standin(v.dtype, v.shape), mods, stats_stride)
+                          Standin(v.dtype, v.shape), key_lengths, mods, stats_stride)
     return prepared is not None and prepared[0].compiling(*prepared[1])
 
 
@@ -916,7 +941,8 @@ def _small_accumulator(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(BLOCK_M[q.shape[3]], q.shape[3], dtype=torch.float32, device=q.device)
 
 
-def _arguments(plan, q, k, v, do, stats: tuple | None, dq_acc, dk, dv, mods: torch.Tensor, stats_stride: int):
+def _arguments(plan, q, k, v, do, stats: tuple | None, dq_acc, dk, dv, key_lengths: torch.Tensor, mods: torch.Tensor,
+               stats_stride: int):
     """(the kernel's Launcher, the launch's (grid, tensors, scalars, constexprs)), or None where ``launch`` launches
     nothing. ``stats``: (lse2, delta); None for the arguments of a compile ahead (descriptors that key alike in
     place of dO's and the statistics', over ``dq_acc``, which may then be a small one)."""
@@ -949,8 +975,8 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dq_acc, dk, dv, mods: tor
     tables, table_strides = plan.tables_of("q")
     return BACKWARD_GLUON_WIDE if q.shape[3] in WIDE else BACKWARD_GLUON, (
         (plan.batch * plan.kv_heads * cdiv(plan.kv_len, key_tile),),
-        (*descriptors, *dq_descs, lse_desc, delta_desc, dk, dv, *tables, mods),
+        (*descriptors, *dq_descs, lse_desc, delta_desc, dk, dv, *tables, key_lengths, mods),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *table_strides, plan.heads,
          plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
         _constexprs(KIND_CODES[plan.kind], plan.q_len % block_m != 0 or plan.kv_len % key_tile != 0, plan.causal,
-                    plan.sparse_block, parts, (plan.mask_mod, plan.score_mod, plan.score_keys)))
+                    plan.sparse_block, parts, (plan.mask_mod, plan.score_mod, plan.score_keys), plan.has_key_lengths))

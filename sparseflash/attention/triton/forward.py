@@ -145,11 +145,11 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
     if replay is not None and replay(slots):
         return o, lse
     with replays.keep(layout, slots, plan.tensors) as settled:
-        stand_in = _triton_stand_in(plan, q, k, v, o, lse, mods) if plan.gluon_forward else None
+        stand_in = _triton_stand_in(plan, q, k, v, o, lse, key_lengths, mods) if plan.gluon_forward else None
         if stand_in is not None and run_stand_in(plan.per_layout["forward_stand_in"], lambda: _launch(
                 plan, stand_in, q, k, v, o, lse, key_lengths, mods, dropout_args)):
             return o, lse
-        if plan.gluon_forward and gluon_kernels("forward").launch(plan, q, k, v, o, lse, mods):
+        if plan.gluon_forward and gluon_kernels("forward").launch(plan, q, k, v, o, lse, key_lengths, mods):
             settled[0] = True
             return o, lse
         name, launch = _kernel(plan)
@@ -167,8 +167,8 @@ def compile_forward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, 
     mods = plan.mods_table(list(captures))
     o, lse = Standin(q.dtype, q.shape), Standin(torch.float32, q.shape[:3])
     gluon = gluon_kernels("forward") if plan.gluon_forward else None
-    if gluon is not None and gluon.launch(plan, q, k, v, o, lse, mods, ahead=True):
-        if usable_cpus() < STAND_IN_FROM_CPUS or not gluon.compiling(plan, q, k, v, o, lse, mods):
+    if gluon is not None and gluon.launch(plan, q, k, v, o, lse, key_lengths, mods, ahead=True):
+        if usable_cpus() < STAND_IN_FROM_CPUS or not gluon.compiling(plan, q, k, v, o, lse, key_lengths, mods):
             return
         cfg = stand_in_config(plan.config_key)
         _launch(plan, cfg, q, k, v, o, lse, key_lengths, mods, plan.dropout_args(None, ahead=True), ahead=True)
@@ -201,11 +201,11 @@ def stand_in_config(key: ConfigKey) -> KernelConfig:
     return dataclasses.replace(cfg, num_warps=max(cfg.num_warps, cfg.block_m // WARPGROUP_ROWS * 4))
 
 
-def _triton_stand_in(plan: LaunchPlan, q, k, v, o, lse, mods) -> KernelConfig | None:
+def _triton_stand_in(plan: LaunchPlan, q, k, v, o, lse, key_lengths, mods) -> KernelConfig | None:
     """The config of the Triton forward where it runs in place of the Gluon forward on this call
     (``launch.standing_in``): from a first call that compiled both ahead (``compile_forward_ahead``; a Gluon
     forward with mask or score functions compiles in 3.6-4.4 s on an H100 host, the Triton forward in 1.5-2.5)
     while the Gluon forward's compile ahead is in flight; else None. A call the Gluon forward cannot take (a
     layout TMA cannot read) ends it too."""
     return standing_in(plan.per_layout.get("forward_stand_in", {}),
-                       lambda _: gluon_kernels("forward").compiling(plan, q, k, v, o, lse, mods))
+                       lambda _: gluon_kernels("forward").compiling(plan, q, k, v, o, lse, key_lengths, mods))

@@ -29,6 +29,8 @@ Constexpr flags:
                  MASK_MOD cuts the partial blocks too; a score function gives the tiles' base-2 scores.
   RAGGED_KEYS    DENSE or CAUSAL, kv_len not a multiple of BLOCK_N: the last key tile ends at kv_len, overlapping
                  the tile before, whose keys it masks (``gluon_tools.moved_back``); no load reads past a head's keys.
+  HAS_KEY_LENGTHS  DENSE or CAUSAL: KEY_LENGTHS[b] ends batch b's keys (``gluon_tools.key_end``): its rows walk the
+                 key tiles up to it and mask the keys past it in the last.
   BLOCK_N        key rows of a tile (``KEY_TILE``: 128, 64 at head dims 192 and 256).
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
   HEAD_DIM, HEAD_DIM2  the head dim, a power of two (HEAD_DIM2 = 0), or its two parts (``plan.head_dim_parts``:
@@ -49,11 +51,11 @@ of no tile still gets one: the producer loads the first tile its walk would take
 at its table's first entry, a padding entry) and the consumers mask all of it, so that every loop has a
 first tile to peel.
 
-Applies (``applies``) on Hopper (capability 9.x) with Triton >= 3.6 to fp16/bf16 inputs of head dim 48, 64,
-80, 96, 128, 160, 192 or 256 (``KEY_TILE``): DENSE and CAUSAL masks on any lengths with a key tile of keys or more
-(the last query tile's rows past q_len are computed and not stored, as a tile of three warpgroups'), SPARSE masks on
-lengths that the tiles divide, with blocks that the tiles divide and that divide the lengths; no key_lengths or
-dropout, no score function that evaluates exp, log, tanh or sqrt per score, and layouts TMA can read
+Applies (``applies``) on Hopper (capability 9.x) with Triton >= 3.6 to fp16/bf16 inputs of head dim 48, 64, 80, 96, 128,
+160, 192 or 256 (``KEY_TILE``): DENSE and CAUSAL masks on any lengths with a key tile of keys or more (the last query
+tile's rows past q_len are computed and not stored, as a tile of three warpgroups'), SPARSE masks on lengths that the
+tiles divide, with blocks that the tiles divide and that divide the lengths (key_lengths with DENSE and CAUSAL masks
+only); no dropout, no score function that evaluates exp, log, tanh or sqrt per score, and layouts TMA can read
 (``forward_persistent.row_view_rows``).
 ``SPARSEFLASH_GLUON``: "auto" (default) where it was measured faster than the Triton forward (rows of
 ``AUTO_ROW_KEYS`` keys or more on average), "1" wherever it applies, "0" never.
@@ -70,7 +72,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
 from sparseflash.attention.triton import gluon_tools
-from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, listed_walk, load_box, moved_back,
+from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, key_end, listed_walk, load_box, moved_back,
                                                       named_arrive, named_sync, row_view, row_view_coords,
                                                       walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
@@ -128,20 +130,21 @@ def _key_term(b, h, q_start, qk_scale, MODS, SCORE_MOD: gl.constexpr, SCORE_KEYS
 
 
 @gluon.jit
-def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_len, keys, key_term, qk_scale, MODS,
-            MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
-            SCORE_KEYS: gl.constexpr, RAGGED_KEYS: gl.constexpr, BLOCK_N: gl.constexpr,
+def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_len, kv_end, keys, key_term, qk_scale,
+            MODS, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
+            SCORE_KEYS: gl.constexpr, RAGGED_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr, BLOCK_N: gl.constexpr,
             SPARSE_BLOCK_N: gl.constexpr):
     """(scores, shift): the products s of key tile t as the softmax takes them: SCORE_MOD's base-2 scores at
     reference query q_start (``tiles.modded_scores``; the products themselves without a score function), then
     -inf where the tile is past the unmasked ones (CAUSAL's diagonal, SPARSE's partial blocks) and the element
     is dropped by q_idx < kv_idx (CAUSAL, IS_CAUSAL) or by MASK_MOD (by either where both apply), and (RAGGED_KEYS)
-    where the last tile, moved back to end at kv_len (``gluon_tools.moved_back``), overlaps the tile before. With
+    where the last tile, moved back to end at kv_len (``gluon_tools.moved_back``), overlaps the tile before, and
+    (HAS_KEY_LENGTHS) at the batch's keys from kv_end on (``gluon_tools.key_end``). With
     SCORE_KEYS the scores less the key term's value at the tile's first key, ``shift`` (the item's
     ``_key_term``), which the softmax adds to the rows' max instead: a vector add per tile less; shift is 0.0
     otherwise."""
     shift = 0.0
-    if SCORE_MOD is not None or MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None or RAGGED_KEYS:
+    if SCORE_MOD is not None or MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None or RAGGED_KEYS or HAS_KEY_LENGTHS:
         kv_start = moved_back(walk_tile_start(t, 0, n_full, full_idx, part_idx, MASK_KIND, BLOCK_N, SPARSE_BLOCK_N),
                               kv_len, BLOCK_N, RAGGED_KEYS)
         q_idx = offs_m[:, None]
@@ -153,7 +156,7 @@ def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_
         elif SCORE_MOD is not None:
             s = modded_scores(s, b, h, q_idx, kv_idx, q_start, kv_start, keys, qk_scale, MODS, SCORE_MOD,
                               SCORE_KEYS)[0]
-        if MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None or RAGGED_KEYS:
+        if MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None or RAGGED_KEYS or HAS_KEY_LENGTHS:
             if t >= n_full:
                 new_key = kv_idx >= t * BLOCK_N  # not a key of the tile before (all but RAGGED_KEYS' last tile's)
                 if MASK_MOD is not None:
@@ -166,6 +169,8 @@ def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_
                     keep = new_key
                 if RAGGED_KEYS:
                     keep = keep & new_key
+                if HAS_KEY_LENGTHS:
+                    keep = keep & (kv_idx < kv_end)
                 s = gl.where(keep, s, float("-inf"))
     return s, shift
 
@@ -190,17 +195,19 @@ def _safe_max(m, MAY_BE_EMPTY: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, stride_num_b, stride_num_h, stride_num_m,
-               stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND: gl.constexpr,
-               SCHEDULED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS, stride_num_b, stride_num_h,
+               stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND: gl.constexpr,
+               SCHEDULED: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
     """Work item ``item``: the one SCHEDULE's entry ``item`` names (SCHEDULED: bh * query tiles + query tile), or
     the query tiles of each (batch, head) in turn. Its (batch, head) bh, first query q_start, unmasked key tiles
-    n_full, key tiles n_tiles and (SPARSE) the row tables' entries of its mask row."""
+    n_full, key tiles n_tiles, (SPARSE) the row tables' entries of its mask row and the end of its batch's keys
+    kv_end (``gluon_tools.key_end``)."""
     m_tiles = gl.cdiv(q_len, BLOCK_M)
     item = scheduled_item(SCHEDULE, item, SCHEDULED)
     bh = item // m_tiles
     q_start = (item % m_tiles) * BLOCK_M
+    kv_end = key_end(KEY_LENGTHS, bh // heads, kv_len, HAS_KEY_LENGTHS)
     full_idx = FULL_IDX
     part_idx = PART_IDX
     if MASK_KIND == 2:
@@ -209,26 +216,26 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, stride_nu
             stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
             SPARSE_BLOCK_N // BLOCK_N)
     elif MASK_KIND == 1:  # key tiles wholly at or below the tile's first row need no mask
-        n_full = gl.minimum(q_start + 1, kv_len) // BLOCK_N
-        n_tiles = gl.cdiv(gl.minimum(kv_len, q_start + BLOCK_M), BLOCK_N)
+        n_full = gl.minimum(q_start + 1, kv_end) // BLOCK_N
+        n_tiles = gl.cdiv(gl.minimum(kv_end, q_start + BLOCK_M), BLOCK_N)
     else:
-        n_full = kv_len // BLOCK_N
-        n_tiles = gl.cdiv(kv_len, BLOCK_N)
-    return bh, q_start, n_full, n_tiles, full_idx, part_idx
+        n_full = kv_end // BLOCK_N
+        n_tiles = gl.cdiv(kv_end, BLOCK_N)
+    return bh, q_start, n_full, n_tiles, full_idx, part_idx, kv_end
 
 
 @gluon.jit
 def _producer(load_args, MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, RAGGED_KEYS: gl.constexpr,
-              BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
-              HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
+              HAS_KEY_LENGTHS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """For each work item: Q (a 64-row box per consumer) once every consumer is done with the previous Q, then K
     and V of each key tile into the ring's next buffer once every consumer released its previous tile (K and V
     apart with K_EARLY); with HEAD_DIM2, each with its second part (q2/k2/v2). ``load_args``: the kernel's
     arguments the loads take (``_attn_fwd_gluon``)."""
     (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready,
-     q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, stride_qb,
-     stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_num_b, stride_num_h,
-     stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, groups, q_len, kv_len, n_items,
+     q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS,
+     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_num_b,
+     stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, groups, q_len, kv_len, n_items,
      num_programs) = load_args
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     WARPGROUPS: gl.constexpr = q_smem.type.shape[0]
@@ -241,10 +248,10 @@ def _producer(load_args, MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, RAGGE
     i = 0  # work items so far: the phase of q_empty
     first, end, step = program_items(SCHEDULE, n_items, num_programs, SCHEDULED)
     for item in range(first, end, step):
-        bh, q_start, n_full, n_tiles, full_idx, part_idx = _work_item(
-            item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, stride_num_b, stride_num_h, stride_num_m,
-            stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND, SCHEDULED,
-            WARPGROUPS * HALF_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
+        bh, q_start, n_full, n_tiles, full_idx, part_idx, kv_end = _work_item(
+            item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS, stride_num_b, stride_num_h,
+            stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND, SCHEDULED,
+            HAS_KEY_LENGTHS, WARPGROUPS * HALF_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
         b = bh // heads
         h = bh % heads
         q_row, q_col = row_view_coords(b, h, q_start, stride_qb, stride_qh, stride_qm)
@@ -278,15 +285,16 @@ def _producer(load_args, MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, RAGGE
 @gluon.jit
 def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, IS_CAUSAL: gl.constexpr,
               MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SCORE_ROW: gl.constexpr,
-              RAGGED_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
+              RAGGED_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr, BLOCK_N: gl.constexpr,
+              SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """For each work item, rows [WG * 64, WG * 64 + 64) of its query tile: the online softmax over the key
     tiles the producer loads, then o (O seen as (rows, HEAD_DIM + HEAD_DIM2)) and the lse. With HEAD_DIM2, the
     output's second part accumulates in acc2 (0.0 without). ``shared``: the kernel's arguments the consumers take
     (``_attn_fwd_gluon``)."""
     (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, MODS, stride_num_b, stride_num_h, stride_num_m, stride_idx_b,
-     stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale) = shared
+     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS, MODS, stride_num_b, stride_num_h, stride_num_m,
+     stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale) = shared
     HALF_M: gl.constexpr = q_smem.type.shape[1]
     WARPGROUPS: gl.constexpr = q_smem.type.shape[0]
     K_EARLY: gl.constexpr = STAGES < 3
@@ -304,7 +312,8 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
     row_o2: gl.constexpr = gl.SliceLayout(1, o2_layout)
     MY_TURN: gl.constexpr = 8 + WG
     THEIR_TURN: gl.constexpr = 8 + (WG + 1) % WARPGROUPS  # the next warpgroup's turn
-    MAY_BE_EMPTY: gl.constexpr = MASK_KIND == 2 or SCORE_MOD is not None  # a score function may return -inf
+    # a score function may return -inf; a batch's key length may be 0
+    MAY_BE_EMPTY: gl.constexpr = MASK_KIND == 2 or SCORE_MOD is not None or HAS_KEY_LENGTHS
     # the scale of what _scores returns: the products, or base-2 scores already scaled by the score function
     soft_scale = qk_scale
     if SCORE_MOD is not None:
@@ -326,10 +335,10 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
         turn = named_arrive(8, turn)
     first, end, step = program_items(SCHEDULE, n_items, num_programs, SCHEDULED)
     for item in range(first, end, step):
-        bh, q_start, n_full, n_tiles, full_idx, part_idx = _work_item(
-            item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, stride_num_b, stride_num_h, stride_num_m,
-            stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND, SCHEDULED,
-            WARPGROUPS * HALF_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
+        bh, q_start, n_full, n_tiles, full_idx, part_idx, kv_end = _work_item(
+            item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS, stride_num_b, stride_num_h,
+            stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND, SCHEDULED,
+            HAS_KEY_LENGTHS, WARPGROUPS * HALF_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
         n_loads = gl.maximum(n_tiles, 1)
         offs_m = q_start + rows_s
         b = bh // heads
@@ -350,9 +359,9 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
         s = warpgroup_mma_wait(0, deps=(s,))
         if K_EARLY:
             mbarrier.arrive(k_empty.index(used % STAGES))
-        s, shift = _scores(s, 0, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_len, keys, key_term,
-                           qk_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, RAGGED_KEYS, BLOCK_N,
-                           SPARSE_BLOCK_N)
+        s, shift = _scores(s, 0, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_len, kv_end, keys,
+                           key_term, qk_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS,
+                           RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_N)
         if MAY_BE_EMPTY:
             if n_tiles == 0:  # the producer loaded tile 0 all the same
                 s = gl.full_like(s, float("-inf"))
@@ -379,9 +388,9 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
             s = warpgroup_mma_wait(PV_GROUPS, deps=(s,))
             if K_EARLY:
                 mbarrier.arrive(k_empty.index(stage))
-            s, shift = _scores(s, j, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_len, keys,
-                               key_term, qk_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS,
-                               RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_N)
+            s, shift = _scores(s, j, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_len, kv_end,
+                               keys, key_term, qk_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD,
+                               SCORE_KEYS, RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_N)
             m_new = gl.maximum(m_i, _tile_max(s, shift, SCORE_KEYS is not None))
             m_use = _safe_max(m_new, MAY_BE_EMPTY)
             alpha = gl.exp2((m_i - m_use) * soft_scale)
@@ -443,20 +452,20 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
 
 @gluon.jit(do_not_specialize=[*ROW_LENGTH_ARGS, "n_items"])
 def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
-                    SCHEDULE, MODS,
+                    SCHEDULE, KEY_LENGTHS, MODS,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                     stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
                     heads, groups, q_len, kv_len, n_items, num_programs, qk_scale,
                     MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, IS_CAUSAL: gl.constexpr,
                     MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
-                    SCORE_ROW: gl.constexpr, RAGGED_KEYS: gl.constexpr, BLOCK_N: gl.constexpr,
-                    SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, WARPGROUPS: gl.constexpr):
+                    SCORE_ROW: gl.constexpr, RAGGED_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr,
+                    BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, WARPGROUPS: gl.constexpr):
     """The program's work items (batch, head, query tile) (``work_schedule.program_items``, ``_work_item``). q/k/v_desc
     read Q, K, V as ``row_view`` matrices (rows of pitch stride_*m, element (b, h, s, 0) at row (b * stride_b + h *
     stride_h) // pitch + s and column (...) % pitch) in boxes of HEAD_DIM columns, q2/k2/v2_desc the HEAD_DIM2 columns
     after them (the same descriptors, unused, without a second part); O (B, H, q_len, HEAD_DIM + HEAD_DIM2) and LSE (B,
-    H, q_len) are contiguous."""
+    H, q_len) are contiguous; KEY_LENGTHS (B,) int32 with HAS_KEY_LENGTHS (a placeholder without)."""
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [WARPGROUPS, HALF_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -486,11 +495,12 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
     # the partitions' arguments but their constexprs (and the consumers' warpgroup), which are passed inline: a
     # tuple variable holding them would lose their constness
     shared = (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, MODS, stride_num_b, stride_num_h, stride_num_m,
-              stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale)
-    load_args = (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem,
-                 v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
-                 SCHEDULE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+              O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS, MODS, stride_num_b, stride_num_h,
+              stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs,
+              qk_scale)
+    load_args = (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem,
+                 q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE,
+                 KEY_LENGTHS, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
                  stride_vn, stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads,
                  groups, q_len, kv_len, n_items, num_programs)
     # Registers a thread: two consumers' tiles take 240; of three, the first (Triton's default partition, given what
@@ -503,22 +513,27 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
     if WARPGROUPS == 3:
         gl.warp_specialize([
             (_consumer, (shared, 0, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
+                         STAGES)),
             (_consumer, (shared, 1, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
+                         STAGES)),
             (_consumer, (shared, 2, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
-            (_producer, (load_args, MASK_KIND, SCHEDULED, RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-                         HEAD_DIM2, STAGES)),
+                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
+                         STAGES)),
+            (_producer, (load_args, MASK_KIND, SCHEDULED, RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M,
+                         SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
         ], [4, 4, 1], [160, 160, 24])
     else:
         gl.warp_specialize([
             (_consumer, (shared, 0, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
+                         STAGES)),
             (_consumer, (shared, 1, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
-            (_producer, (load_args, MASK_KIND, SCHEDULED, RAGGED_KEYS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N,
-                         HEAD_DIM2, STAGES)),
+                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
+                         STAGES)),
+            (_producer, (load_args, MASK_KIND, SCHEDULED, RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M,
+                         SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
         ], [4, 1], [240, 24])
 
 
@@ -560,34 +575,34 @@ FORWARD_GLUON = Launcher(_attn_fwd_gluon)
 
 @functools.lru_cache(maxsize=None)
 def _constexprs(mask_kind: int, scheduled: bool, causal: bool, sparse_block: tuple[int, int], head_dim: int,
-                parts: tuple[int, int], mods: tuple, warpgroups: int, ragged_keys: bool) -> dict:
+                parts: tuple[int, int], mods: tuple, warpgroups: int, ragged_keys: bool, key_lengths: bool) -> dict:
     mask_mod, score_mod, score_keys, score_row = mods
     first, second = parts
-    return dict(MASK_KIND=mask_kind, SCHEDULED=scheduled, IS_CAUSAL=causal, MASK_MOD=mask_mod,
-                SCORE_MOD=score_mod, SCORE_KEYS=score_keys, SCORE_ROW=score_row, RAGGED_KEYS=ragged_keys,
+    return dict(MASK_KIND=mask_kind, SCHEDULED=scheduled, IS_CAUSAL=causal, MASK_MOD=mask_mod, SCORE_MOD=score_mod,
+                SCORE_KEYS=score_keys, SCORE_ROW=score_row, RAGGED_KEYS=ragged_keys, HAS_KEY_LENGTHS=key_lengths,
                 BLOCK_N=KEY_TILE[head_dim], SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1],
                 HEAD_DIM=first, HEAD_DIM2=second, STAGES=STAGES[head_dim], WARPGROUPS=warpgroups, num_warps=4)
 
 
-def launch(plan, q, k, v, o, lse, mods: torch.Tensor, ahead: bool = False) -> bool:
+def launch(plan, q, k, v, o, lse, key_lengths: torch.Tensor, mods: torch.Tensor, ahead: bool = False) -> bool:
     """Launch the forward on a problem ``applies`` admits (o and lse contiguous, or ``Standin``s with
-    ``ahead``: only compile; mods: the plan's MODS table of the captured tensors); False (nothing launched)
-    where TMA cannot read one of q, k, v's layouts."""
-    arguments = _arguments(plan, q, k, v, o, lse, mods)
+    ``ahead``: only compile; key_lengths as ``plan.key_lengths_arg`` gives it; mods: the plan's MODS table of the
+    captured tensors); False (nothing launched) where TMA cannot read one of q, k, v's layouts."""
+    arguments = _arguments(plan, q, k, v, o, lse, key_lengths, mods)
     if arguments is None:
         return False
     (FORWARD_GLUON.compile_ahead if ahead else FORWARD_GLUON)(*arguments)
     return True
 
 
-def compiling(plan, q, k, v, o, lse, mods: torch.Tensor) -> bool:
+def compiling(plan, q, k, v, o, lse, key_lengths: torch.Tensor, mods: torch.Tensor) -> bool:
     """Whether the compile ahead of ``launch`` with these arguments is in flight (``Launcher.compiling``);
     False where TMA cannot read a layout (``launch`` launches nothing)."""
-    arguments = _arguments(plan, q, k, v, o, lse, mods)
+    arguments = _arguments(plan, q, k, v, o, lse, key_lengths, mods)
     return arguments is not None and FORWARD_GLUON.compiling(*arguments)
 
 
-def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
+def _arguments(plan, q, k, v, o, lse, key_lengths: torch.Tensor, mods: torch.Tensor) -> tuple | None:
     """The launch's (grid, tensors, scalars, constexprs), or None where TMA cannot read q, k or v."""
     rows = gluon_tools.layout_rows(plan.per_layout.setdefault("gluon", {}), (q, k, v))
     if None in rows:
@@ -606,12 +621,13 @@ def _arguments(plan, q, k, v, o, lse, mods: torch.Tensor) -> tuple | None:
     n_items = plan.batch * plan.heads * math.ceil(plan.q_len / (consumers * HALF_M))
     programs = min(n_items, multiprocessors(q.device))
     schedule = _schedule(plan, consumers, key_tile, programs)
-    return ((programs,), (*descriptors, o, lse, *tables, plan.placeholder if schedule is None else schedule, mods),
+    return ((programs,), (*descriptors, o, lse, *tables, plan.placeholder if schedule is None else schedule,
+                          key_lengths, mods),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *table_strides, plan.heads, plan.groups,
              plan.q_len, plan.kv_len, n_items, programs, plan.qk_scale),
             _constexprs(KIND_CODES[plan.kind], schedule is not None, plan.causal, plan.sparse_block, q.shape[3],
                         parts, (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row), consumers,
-                        plan.kv_len % key_tile != 0))
+                        plan.kv_len % key_tile != 0, plan.has_key_lengths))
 
 
 def _schedule(plan, consumers: int, key_tile: int, programs: int) -> torch.Tensor | None:

@@ -137,6 +137,15 @@ def moved_back(start, length, TILE: gl.constexpr, RAGGED: gl.constexpr):
 
 
 @gluon.jit
+def key_end(KEY_LENGTHS, b, kv_len, HAS_KEY_LENGTHS: gl.constexpr):
+    """The end of batch b's keys: min(kv_len, KEY_LENGTHS[b]) with HAS_KEY_LENGTHS, else kv_len."""
+    if HAS_KEY_LENGTHS:
+        return gl.minimum(kv_len, gl.load(KEY_LENGTHS + b))
+    else:
+        return kv_len
+
+
+@gluon.jit
 def row_view_coords(b, h, row, stride_b, stride_h, stride_m):
     """(row, column) in a ``row_view`` (rows of pitch stride_m) of element (b, h, row, 0): the Gluon twin of
     forward_persistent.py's ``row_view_coords``, so that the Gluon kernels call only Gluon functions."""
@@ -174,10 +183,12 @@ def takes(q: torch.Tensor, k: torch.Tensor, mask, tiles: dict[int, tuple[int, in
     """Whether a Gluon kernel of (query, key) tiles ``tiles[head dim]`` can compute these inputs and mask:
     fp16/bf16, a head dim ``tiles`` lists, lengths that the tiles divide (SPARSE: that the mask blocks divide,
     blocks that the tiles divide: a walk takes every tile of a listed block, so a ragged last block would read
-    past the lengths), no key_lengths or dropout. Mask and score functions they take (``tiles.modded_scores``).
+    past the lengths), no dropout, key_lengths with DENSE and CAUSAL masks only (``key_end``: their walks end at a
+    batch's last key, which no table says). Mask and score functions they take (``tiles.modded_scores``).
     ``ragged`` (queries, keys): the sides whose last tile the kernel moves back to end at the last row
     (``moved_back``); it then takes DENSE and CAUSAL masks on any lengths with a tile of those sides."""
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[3] not in tiles or has_key_lengths or dropout:
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[3] not in tiles or dropout or (
+            has_key_lengths and mask.kind is MaskKind.SPARSE):
         return False
     lengths = (q.shape[2], k.shape[2])
     if any(ragged) and mask.kind is not MaskKind.SPARSE:
