@@ -77,7 +77,8 @@ by its derivative; dK = scale * sum dS^T Q, dQ = scale * sum dS K.
 
 Applies (``applies``) on Hopper with Triton >= 3.6 where ``gluon_tools.takes`` the inputs (query tiles of
 ``BLOCK_M``, key tiles of ``KEY_TILE``: 128, 64 at 160-256; DENSE and CAUSAL masks on lengths of at least a tile,
-SPARSE ones on lengths the tiles divide), no captured tensor takes a gradient, and the layouts TMA can read;
+with key_lengths too, SPARSE ones on lengths the tiles divide), no captured tensor takes a gradient, and the layouts
+TMA can read;
 ``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS`` keys (by head dim) or more on
 average, "1" wherever it applies, "0" never.
 """
@@ -470,9 +471,9 @@ def _add_dq_tiles(dq_desc, dq2_desc, dq_smem, dq2_smem, row, WG: gl.constexpr, B
 def _dq_writer(dq_desc, dq2_desc, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, dq_full, dq_empty, FULL_NUM, FULL_IDX,
                PART_NUM, PART_IDX, KEY_LENGTHS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
                stride_idx_n, heads, groups, q_len, kv_len, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr,
-               HAS_KEY_LENGTHS: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr):
+               HAS_KEY_LENGTHS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               HEAD_DIM2: gl.constexpr):
     """The program's walk as the consumers take it: each query tile's dQ tiles, as each consumer staged them
     (dq_full: dq_smemW / dq2_smemW's buffer n % 2 for tile n), added into the accumulator (``_add_dq_tiles``), and
     the buffers given back (dq_empty) once TMA has read them."""
@@ -510,9 +511,8 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
                     stride_idx_n, heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
                     MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
                     SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr,
-                    SPARSE_BLOCK_M: gl.constexpr,
-                    SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """One program per (batch, key/value head, 128-key tile) (``_program_tile``). q/k/v/do_desc read Q, K, V,
     dO as ``row_view`` matrices in boxes of HEAD_DIM columns, K and V in 64-row boxes, Q and dO in BLOCK_M-row
     ones; q2/k2/v2/do2_desc the HEAD_DIM2 columns after them (the same descriptors, unused, without a second
@@ -591,10 +591,9 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
                      stride_idx_n, heads, groups, q_len, kv_len, stats_stride, MASK_KIND, RAGGED, HAS_KEY_LENGTHS,
                      BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES, 0)),
         (_dq_writer, (dq_desc, dq2_desc, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, dq_full, dq_empty, FULL_NUM,
-                      FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, stride_num_b, stride_num_h, stride_num_n,
-                      stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, MASK_KIND, RAGGED,
-                      HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N,
-                      SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2)),
+                      FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                      stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, MASK_KIND, RAGGED, HAS_KEY_LENGTHS,
+                      BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2)),
     # registers a thread: the consumers' dK, dV and tiles take 240, the producer's loads and the dQ writer's adds 24.
     # The producer is one warp for DENSE and CAUSAL, as the forward's (dense rows 1.03x as fast from S=16384 on an
     # H100, the rest within the spread), two for SPARSE, whose rows at head dim 64 ran 0.95-0.96x as fast with one
