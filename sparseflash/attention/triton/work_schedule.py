@@ -1,10 +1,11 @@
-"""Work schedules of the persistent Gluon kernels: which work items each program takes.
+"""Work schedules of the persistent Gluon forward: which work items each program takes.
 
-A work item is one tile a kernel computes from start to end (the forward's query tile of a (batch, head), the
-backward's key tile of a (batch, key/value head)); where items differ in length (CAUSAL, SPARSE masks whose lines
-of blocks differ), a program per multiprocessor takes the items a table made on the host lists for it
-(``greedy_schedule``), and loads each next item's tiles under the current item's products, where a program
-launched for each item waited for them. Elsewhere a program takes items pid, pid + num_programs, ...
+A work item is one tile the kernel computes from start to end (a query tile of a (batch, head)); where items
+differ in length (CAUSAL, SPARSE masks whose rows of blocks differ), a program per multiprocessor takes the items a
+table made on the host lists for it (``greedy_schedule``), and loads each next item's tiles under the current
+item's products, where a program launched for each item waited for them. Elsewhere a program takes items pid,
+pid + num_programs, ... (The Gluon backward keeps a program per key tile: the same schedule over its key tiles ran
+hd64 causal 0.94-0.98x as fast, docs/kernels.md, "The Gluon backward".)
 
 The table (int32 on the device): STARTS, programs + 1 entries, then the items' codes program after program
 (line * tiles of a line + tile): program p takes entries STARTS[p] to STARTS[p + 1].
@@ -22,8 +23,7 @@ from triton.experimental.gluon import language as gl
 
 from sparseflash.attention.kept_tensors import made_outside_graph_pools
 
-# SPARSE masks whose longest line of blocks (the forward's rows, the backward's columns) has over this many times the
-# mean: their items are scheduled
+# SPARSE masks whose longest line (row) of blocks has over this many times the mean: their items are scheduled
 UNEQUAL_LINES = 1.25
 
 
