@@ -55,7 +55,8 @@ def _train(cmd: list[str], run_dir: Path, log: Path) -> None:
         proc = subprocess.run([*cmd, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=out,
                               stderr=subprocess.STDOUT)
     if proc.returncode:
-        sys.exit(f"{' '.join(cmd)} failed (exit {proc.returncode}); its output is in {log}")
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
+        sys.exit(f"{' '.join(cmd)} failed (exit {proc.returncode}); the end of its output ({log}):\n{tail}")
 
 
 def _records(run_dir: Path) -> tuple[dict[int, dict], dict[int, float]]:
