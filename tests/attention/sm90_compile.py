@@ -117,6 +117,10 @@ def cases() -> dict:
         "forward-d64-dense-key-lengths": ("forward", 64, masks.make("dense", SEQ_LEN), None, True),  # three consumers
         "backward-d128-dense-key-lengths": ("backward", 128, masks.make("dense", SEQ_LEN), None, True),
         "backward-d256-causal-key-lengths": ("backward", 256, causal, None, True),
+        # SPARSE: the row walks cut at the first block past a batch's keys (``gluon_tools.walk_before``)
+        "forward-d128-documents-key-lengths": ("forward", 128, documents, None, True),
+        "forward-d256-documents-key-lengths": ("forward", 256, documents, None, True),  # 64-key tiles, K_EARLY
+        "backward-d128-documents-key-lengths": ("backward", 128, documents, None, True),
     }
 
 

@@ -363,20 +363,30 @@ def test_gpu_gluon_forward_on_lengths_its_tiles_do_not_divide(case, q_len, kv_le
 @pytest.mark.parametrize("dim, dtype", [(64, torch.bfloat16), (80, torch.float16), (128, torch.bfloat16),
                                         (256, torch.bfloat16)], ids=["d64-bf16", "d80-fp16", "d128-bf16", "d256-bf16"])
 @pytest.mark.parametrize("pattern, q_len, kv_len", [
-    ("dense", 512, 512), ("causal", 700, 700), ("dense", 300, 1000), ("causal", 1000, 700)], ids=str)
+    ("dense", 512, 512), ("causal", 700, 700), ("dense", 300, 1000), ("causal", 1000, 700), ("butterfly", 512, 768),
+    ("local-causal-256", 768, 768), ("random-per-head", 512, 512), ("empty-rows", 512, 512), ("document", 512, 512)],
+    ids=str)
 def test_gpu_gluon_kernels_take_key_lengths(pattern, q_len, kv_len, dim, dtype, monkeypatch):
-    """key_lengths with DENSE and CAUSAL masks (``gluon_tools.key_end``): a batch of all its keys, one ending inside
-    the last key tile, one inside the first, one of none (rows of no key: o = 0, lse = -inf); the Gluon forward's
-    walks end at each batch's last key, the Gluon backward's key tiles past it store zeros; GQA, lengths the tiles
-    do not divide. o, lse and the gradients against the reference."""
+    """key_lengths (``gluon_tools.key_end``): a batch of all its keys, one ending inside the last key tile, one a
+    block and more before the end, one inside the first tile, one of none (rows of no key: o = 0, lse = -inf). The
+    Gluon forward's walks end at each batch's last key (SPARSE: the listed blocks past it left out,
+    ``gluon_tools.walk_before``, a full block across it masked), the Gluon backward's key tiles past it store
+    zeros; every mask kind (SPARSE with full blocks only, causal partial blocks, empty rows, a mask function), GQA,
+    lengths the tiles do not divide. o, lse and the gradients against the reference."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
-    q = torch.randn(4, 4, q_len, dim, dtype=dtype, device="cuda")
-    k, v = (torch.randn(4, 2, kv_len, dim, dtype=dtype, device="cuda") for _ in range(2))
-    key_lengths = torch.tensor([kv_len, kv_len - 37, 5, 0], device="cuda")
+    q = torch.randn(5, 4, q_len, dim, dtype=dtype, device="cuda")
+    k, v = (torch.randn(5, 2, kv_len, dim, dtype=dtype, device="cuda") for _ in range(2))
+    key_lengths = torch.tensor([kv_len, kv_len - 37, kv_len - 200, 5, 0], device="cuda")
+    if pattern in MASKS:
+        mask = MASKS[pattern](q_len, kv_len, 4)
+    elif pattern == "document":
+        mask = make("document", q_len, block=128, documents=5, seed=1, device="cuda")
+    else:
+        mask = make(pattern, q_len, kv_len)
     launched = _spy_launches(monkeypatch)
-    check_backend("triton", q, k, v, make(pattern, q_len, kv_len), torch.randn_like(q), key_lengths)
+    check_backend("triton", q, k, v, mask, torch.randn_like(q), key_lengths)
     _assert_gluon_ran(launched, dim)
 
 
@@ -478,7 +488,6 @@ def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
     ("d64-q192", True, True), ("d64-q384", True, True), ("q100", True, True), ("d64-q100", True, False),
     ("q200", True, True), ("kv300", True, True), ("kv100", False, False), ("causal-q200-kv300", True, True),
     ("blocks-64", False, False), ("ragged-last-block", False, False), ("random-kv300", False, False),
-    ("key-lengths", True, True), ("causal-key-lengths", True, True), ("random-key-lengths", False, False),
     ("dropout", False, False), ("trained-captures", True, False),
     ("special-per-score", False, True),
 ], ids=str)
@@ -487,7 +496,7 @@ def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
     second part would be padded, nor 112, padded to 128); DENSE and CAUSAL masks on lengths of at least a tile, SPARSE
     masks on lengths that the tiles divide (forward: 128 queries and 128 keys, 64 at head dims 192 and 256; backward: 64
     queries at head dims 80-256, 128 at 48 and 64, and 128 keys, 64 at 160-256), with blocks that the tiles divide and
-    that divide the lengths, key_lengths with DENSE and CAUSAL masks only, no dropout; the forward no score function
+    that divide the lengths, with or without key_lengths, no dropout; the forward no score function
     that evaluates exp, log, tanh or sqrt per score, the backward none whose captured tensors take gradients
     (SPARSEFLASH_GLUON=1; the GPU and Triton are ``gluon_hopper``'s)."""
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
@@ -514,7 +523,7 @@ def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
         mask = make(case.split("-")[0], q.shape[2], k.shape[2], **params)
     else:
         mask = make("dense", q.shape[2], k.shape[2])
-    flags = dict(has_key_lengths=case.endswith("key-lengths"), dropout=case == "dropout")
+    flags = dict(dropout=case == "dropout")
     assert forward_gluon.applies(q, k, mask, 256, **flags, special_per_score=case == "special-per-score",
                                  functions=False) is forward
     assert backward_gluon.applies(q, k, mask, 256, **flags, trains_captures=case == "trained-captures") is backward
@@ -533,23 +542,23 @@ def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
             pattern = make("causal" if is_causal else "dense", q_len)
             if forward_gluon.warpgroups(pattern.kind, dim, functions, q_len) == 3:
                 keys = forward_gluon.AUTO_ROW_KEYS_THREE[dim, is_causal]
-            assert forward_gluon.applies(*inputs[dim], pattern, keys, False, False, False, functions)
-            assert not forward_gluon.applies(*inputs[dim], pattern, keys - 64, False, False, False,
+            assert forward_gluon.applies(*inputs[dim], pattern, keys, False, False, functions)
+            assert not forward_gluon.applies(*inputs[dim], pattern, keys - 64, False, False,
                                              functions), (dim, is_causal, functions, q_len)
     # at hd64 three consumers (dense, no function, 384 queries) from fewer keys than two
     assert forward_gluon.AUTO_ROW_KEYS_THREE[64, False] < forward_gluon.AUTO_ROW_KEYS[64, False]
     keys_64, dense_384 = forward_gluon.AUTO_ROW_KEYS_THREE[64, False], make("dense", 384)
-    assert forward_gluon.applies(*_plan_inputs(384, 384, 64), dense_384, keys_64, False, False, False, False)
-    assert not forward_gluon.applies(*_plan_inputs(384, 384, 64), dense_384, keys_64, False, False, False, True)
-    assert not forward_gluon.applies(*_plan_inputs(256, 256, 64), mask, keys_64, False, False, False, False)
+    assert forward_gluon.applies(*_plan_inputs(384, 384, 64), dense_384, keys_64, False, False, False)
+    assert not forward_gluon.applies(*_plan_inputs(384, 384, 64), dense_384, keys_64, False, False, True)
+    assert not forward_gluon.applies(*_plan_inputs(256, 256, 64), mask, keys_64, False, False, False)
     assert set(forward_gluon.AUTO_ROW_KEYS) == {(dim, c) for dim in forward_gluon.KEY_TILE for c in (False, True)}
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
-    assert forward_gluon.applies(*_plan_inputs(), mask, few, False, False, False, False)
+    assert forward_gluon.applies(*_plan_inputs(), mask, few, False, False, False)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "0")
-    assert not forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False, False)
+    assert not forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "yes")
     with pytest.raises(ValueError, match="SPARSEFLASH_GLUON must be auto, 0 or 1; got 'yes'"):
-        forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False, False)
+        forward_gluon.applies(*_plan_inputs(), mask, many, False, False, False)
 
 
 @pytest.mark.parametrize("case, dim, q_len, consumers, items", [
@@ -631,13 +640,13 @@ def test_gluon_backward_auto_takes_rows_of_many_keys(monkeypatch):
     mask = make("dense", 256)
     monkeypatch.delenv("SPARSEFLASH_GLUON", raising=False)
     for dim, many in backward_gluon.AUTO_ROW_KEYS.items():  # head dims in parts among them
-        assert backward_gluon.applies(*_plan_inputs(dim=dim), mask, many, False, False, False), dim
-        assert not backward_gluon.applies(*_plan_inputs(dim=dim), mask, many - 64, False, False, False), dim
+        assert backward_gluon.applies(*_plan_inputs(dim=dim), mask, many, False, False), dim
+        assert not backward_gluon.applies(*_plan_inputs(dim=dim), mask, many - 64, False, False), dim
     assert set(backward_gluon.AUTO_ROW_KEYS) == set(backward_gluon.TILES)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
-    assert backward_gluon.applies(*_plan_inputs(dim=64), mask, 256, False, False, False)
+    assert backward_gluon.applies(*_plan_inputs(dim=64), mask, 256, False, False)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "0")
-    assert not backward_gluon.applies(*_plan_inputs(), mask, backward_gluon.AUTO_ROW_KEYS[128], False, False, False)
+    assert not backward_gluon.applies(*_plan_inputs(), mask, backward_gluon.AUTO_ROW_KEYS[128], False, False)
 
 
 def test_the_gluon_kernels_compile_for_hopper_without_a_gpu(tmp_path):

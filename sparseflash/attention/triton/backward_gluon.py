@@ -56,7 +56,7 @@ Constexpr flags:
                  reads past a head's rows; their scores shared with the tile before are dropped (``_probabilities``)
                  and the program's keys shared with the tile before are not stored (``_store_dk_dv``).
   IS_CAUSAL      SPARSE only: the partial blocks are cut by q_idx >= kv_idx (top-left alignment).
-  HAS_KEY_LENGTHS  DENSE or CAUSAL: KEY_LENGTHS[b] ends batch b's keys (``gluon_tools.key_end``): a program whose
+  HAS_KEY_LENGTHS  KEY_LENGTHS[b] ends batch b's keys (``gluon_tools.key_end``): a program whose
                  own keys start at or past it walks no query tile (it stores zeros), the tile across it drops the
                  keys past it (``_probabilities``).
   MASK_MOD, SCORE_MOD, SCORE_KEYS  the generated helpers (codegen.py) as in backward.py, or None: MASK_MOD
@@ -77,10 +77,9 @@ by its derivative; dK = scale * sum dS^T Q, dQ = scale * sum dS K.
 
 Applies (``applies``) on Hopper with Triton >= 3.6 where ``gluon_tools.takes`` the inputs (query tiles of
 ``BLOCK_M``, key tiles of ``KEY_TILE``: 128, 64 at 160-256; DENSE and CAUSAL masks on lengths of at least a tile,
-with key_lengths too, SPARSE ones on lengths the tiles divide), no captured tensor takes a gradient, and the layouts
-TMA can read;
-``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS`` keys (by head dim) or more on
-average, "1" wherever it applies, "0" never.
+SPARSE ones on lengths the tiles divide; with or without key_lengths), no captured tensor takes a gradient, and the
+layouts TMA can read; ``SPARSEFLASH_GLUON`` "auto" on rows of ``AUTO_ROW_KEYS`` keys (by head dim) or more on average,
+"1" wherever it applies, "0" never.
 """
 
 from __future__ import annotations
@@ -158,8 +157,8 @@ def _column(b, h, kv_start, kv_end, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_ID
     """The query tiles of head h (of batch b) that see the key tile at kv_start (the program's own keys'): (first,
     n_full, n_tiles, full_idx, part_idx), tile t of the walk at ``gluon_tools.walk_tile_start`` (moved back to end
     at q_len where RAGGED, ``moved_back``): DENSE every tile, CAUSAL the tiles from the key tile's first key on
-    (first), none where the tile starts at or past the end of the batch's keys kv_end; SPARSE the tiles of the
-    listed full blocks (n_full), then of the partial ones."""
+    (first); SPARSE the tiles of the listed full blocks (n_full), then of the partial ones; none where the key tile
+    starts at or past the end of the batch's keys kv_end."""
     first = 0
     full_idx = FULL_IDX
     part_idx = PART_IDX
@@ -167,6 +166,7 @@ def _column(b, h, kv_start, kv_end, q_len, FULL_NUM, FULL_IDX, PART_NUM, PART_ID
         n_full, n_tiles, full_idx, part_idx = listed_walk(
             FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, kv_start // SPARSE_BLOCK_N, stride_num_b, stride_num_h,
             stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, SPARSE_BLOCK_M // BLOCK_M)
+        n_tiles = gl.where(kv_start < kv_end, n_tiles, 0)
     elif MASK_KIND == 1:
         first = kv_start // BLOCK_M
         n_tiles = gl.where(kv_start < kv_end, gl.maximum(gl.cdiv(q_len, BLOCK_M) - first, 0), 0)
@@ -816,15 +816,14 @@ def _lse2_less_rows(LSE2, MODS, heads, q_len, kv_len, stats_stride, SCORE_ROW: t
 
 
 # ---------------------------------------------------------------------------------- when it applies
-def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_lengths: bool, dropout: bool,
-            trains_captures: bool) -> bool:
+def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, dropout: bool, trains_captures: bool) -> bool:
     """Whether calls with these inputs and mask take this backward (on a GPU ``launch.gluon_hopper``
     admits): ``gluon_tools.takes`` them, no tensor a score function captures takes a gradient
     (``trains_captures``: this kernel computes none), and with "auto", rows of ``row_keys`` keys on average,
     at least AUTO_ROW_KEYS's. The layouts are checked at launch."""
     return not trains_captures and gluon_tools.chosen(q, k, mask, TILES, row_keys,
-                                                      AUTO_ROW_KEYS.get(q.shape[3], math.inf), has_key_lengths,
-                                                      dropout, ragged=(True, True))
+                                                      AUTO_ROW_KEYS.get(q.shape[3], math.inf), dropout,
+                                                      ragged=(True, True))
 
 
 # ---------------------------------------------------------------------------------- launcher

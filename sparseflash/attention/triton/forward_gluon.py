@@ -29,8 +29,9 @@ Constexpr flags:
                  MASK_MOD cuts the partial blocks too; a score function gives the tiles' base-2 scores.
   RAGGED_KEYS    DENSE or CAUSAL, kv_len not a multiple of BLOCK_N: the last key tile ends at kv_len, overlapping
                  the tile before, whose keys it masks (``gluon_tools.moved_back``); no load reads past a head's keys.
-  HAS_KEY_LENGTHS  DENSE or CAUSAL: KEY_LENGTHS[b] ends batch b's keys (``gluon_tools.key_end``): its rows walk the
-                 key tiles up to it and mask the keys past it in the last.
+  HAS_KEY_LENGTHS  KEY_LENGTHS[b] ends batch b's keys (``gluon_tools.key_end``): its rows walk the key tiles up to
+                 it (SPARSE: the listed blocks before it, ``gluon_tools.walk_before``) and mask the keys past it in
+                 the tile across it.
   BLOCK_N        key rows of a tile (``KEY_TILE``: 128, 64 at head dims 192 and 256).
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
   HEAD_DIM, HEAD_DIM2  the head dim, a power of two (HEAD_DIM2 = 0), or its two parts (``plan.head_dim_parts``:
@@ -48,14 +49,14 @@ Scores in base 2 as in forward.py: s * qk_scale with qk_scale = scale * log2(e) 
 are); lse = (m + log2 l + row term) ln 2; a row that sees no key (SPARSE, or a score function's -inf: the
 softmax guards m = -inf and l = 0) stores o = 0, lse = -inf. A row
 of no tile still gets one: the producer loads the first tile its walk would take (for SPARSE the block
-at its table's first entry, a padding entry) and the consumers mask all of it, so that every loop has a
-first tile to peel.
+at its table's first entry: a padding entry, or a block past the batch's keys) and the consumers mask all
+of it, so that every loop has a first tile to peel.
 
 Applies (``applies``) on Hopper (capability 9.x) with Triton >= 3.6 to fp16/bf16 inputs of head dim 48, 64, 80, 96, 128,
 160, 192 or 256 (``KEY_TILE``): DENSE and CAUSAL masks on any lengths with a key tile of keys or more (the last query
 tile's rows past q_len are computed and not stored, as a tile of three warpgroups'), SPARSE masks on lengths that the
-tiles divide, with blocks that the tiles divide and that divide the lengths (key_lengths with DENSE and CAUSAL masks
-only); no dropout, no score function that evaluates exp, log, tanh or sqrt per score, and layouts TMA can read
+tiles divide, with blocks that the tiles divide and that divide the lengths; with or without key_lengths; no
+dropout, no score function that evaluates exp, log, tanh or sqrt per score, and layouts TMA can read
 (``forward_persistent.row_view_rows``).
 ``SPARSEFLASH_GLUON``: "auto" (default) where it was measured faster than the Triton forward (rows of
 ``AUTO_ROW_KEYS`` keys or more on average), "1" wherever it applies, "0" never.
@@ -74,7 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, key_end, listed_walk, load_box, moved_back,
                                                       named_arrive, named_sync, row_view, row_view_coords,
-                                                      walk_tile_start)
+                                                      walk_before, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import ROW_LENGTH_ARGS, key_steps, modded_scores, row_term
@@ -157,18 +158,20 @@ def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_
             s = modded_scores(s, b, h, q_idx, kv_idx, q_start, kv_start, keys, qk_scale, MODS, SCORE_MOD,
                               SCORE_KEYS)[0]
         if MASK_KIND == 1 or IS_CAUSAL or MASK_MOD is not None or RAGGED_KEYS or HAS_KEY_LENGTHS:
-            if t >= n_full:
-                new_key = kv_idx >= t * BLOCK_N  # not a key of the tile before (all but RAGGED_KEYS' last tile's)
+            cut = t >= n_full
+            if MASK_KIND == 2 and HAS_KEY_LENGTHS:  # a listed full block may run past the batch's last key
+                cut = cut | (kv_start + BLOCK_N > kv_end)
+            if cut:
                 if MASK_MOD is not None:
                     keep = MASK_MOD(b, h, q_idx, kv_idx, MODS)
                     if IS_CAUSAL:
                         keep = keep & (q_idx >= kv_idx)
                 elif MASK_KIND == 1 or IS_CAUSAL:
                     keep = q_idx >= kv_idx
-                else:
-                    keep = new_key
-                if RAGGED_KEYS:
-                    keep = keep & new_key
+                else:  # no cut of its own: the keys up to the batch's end (all of the tile without key_lengths)
+                    keep = kv_idx < kv_end
+                if RAGGED_KEYS:  # not a key of the tile before (all but the last tile's are not)
+                    keep = keep & (kv_idx >= t * BLOCK_N)
                 if HAS_KEY_LENGTHS:
                     keep = keep & (kv_idx < kv_end)
                 s = gl.where(keep, s, float("-inf"))
@@ -215,6 +218,9 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGT
             FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, bh // heads, bh % heads, q_start // SPARSE_BLOCK_M,
             stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
             SPARSE_BLOCK_N // BLOCK_N)
+        if HAS_KEY_LENGTHS:  # the blocks past the batch's last key left out
+            n_full, n_tiles = walk_before(n_full, n_tiles, full_idx, part_idx, gl.cdiv(kv_end, SPARSE_BLOCK_N),
+                                          SPARSE_BLOCK_N // BLOCK_N)
     elif MASK_KIND == 1:  # key tiles wholly at or below the tile's first row need no mask
         n_full = gl.minimum(q_start + 1, kv_end) // BLOCK_N
         n_tiles = gl.cdiv(gl.minimum(kv_end, q_start + BLOCK_M), BLOCK_N)
@@ -538,8 +544,8 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
 
 
 # ---------------------------------------------------------------------------------- when it applies
-def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_lengths: bool, dropout: bool,
-            special_per_score: bool, functions: bool) -> bool:
+def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, dropout: bool, special_per_score: bool,
+            functions: bool) -> bool:
     """Whether calls with these inputs and mask take this forward (on a GPU ``launch.gluon_hopper``
     admits): ``gluon_tools.takes`` them, the score function (if any) evaluates no exp, log, tanh or sqrt
     per score (``special_per_score``: one that is not separable; tanh soft-capping ran 0.72x the Triton
@@ -551,8 +557,8 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, has_key_len
     dim = q.shape[3]
     thresholds = AUTO_ROW_KEYS_THREE if warpgroups(mask.kind, dim, functions, q.shape[2]) == 3 else AUTO_ROW_KEYS
     return not special_per_score and gluon_tools.chosen(
-        q, k, mask, TILES, row_keys, thresholds.get((dim, mask.kind is MaskKind.CAUSAL), math.inf), has_key_lengths,
-        dropout, ragged=(False, True))  # a query tile past q_len: its rows past it are computed, not stored
+        q, k, mask, TILES, row_keys, thresholds.get((dim, mask.kind is MaskKind.CAUSAL), math.inf), dropout,
+        ragged=(False, True))  # a query tile past q_len: its rows past it are computed, not stored
 
 
 def warpgroups(kind: MaskKind, head_dim: int, functions: bool, q_len: int) -> int:

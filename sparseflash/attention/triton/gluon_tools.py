@@ -107,6 +107,29 @@ def listed_walk(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, line, stride_num_b
 
 
 @gluon.jit
+def walk_before(n_full, n_tiles, full_idx, part_idx, end_block, TILES_PER_BLOCK: gl.constexpr):
+    """(n_full, n_tiles) of a ``listed_walk`` without its blocks from ``end_block`` on (a SPARSE row walk cut at the
+    first block past a batch's keys): its tables are ascending, so those blocks come last in each."""
+    full = entries_below(full_idx, n_full // TILES_PER_BLOCK, end_block)
+    part = entries_below(part_idx, (n_tiles - n_full) // TILES_PER_BLOCK, end_block)
+    return full * TILES_PER_BLOCK, (full + part) * TILES_PER_BLOCK
+
+
+@gluon.jit
+def entries_below(idx, num, bound):
+    """How many of the ascending entries idx[0:num] are below ``bound``: 32 entries at a time, each warp of the
+    partition loading all of them, so that the count is a warp's (no exchange between warps; a table row of 32
+    blocks or fewer, the common one, takes one round of loads)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    offs = gl.arange(0, 32, layout=layout)
+    count = num * 0
+    for start in range(0, num, 32):
+        entries = gl.load(idx + start + offs, mask=start + offs < num, other=bound)
+        count += gl.sum((entries < bound).to(gl.int32), 0)
+    return count
+
+
+@gluon.jit
 def walk_tile_start(t, first, n_full, full_idx, part_idx, MASK_KIND: gl.constexpr, TILE: gl.constexpr,
                     SPARSE_BLOCK: gl.constexpr):
     """Start of tile t (of TILE rows) of a walk along one side of the mask: (first + t) * TILE, or (SPARSE,
@@ -178,17 +201,16 @@ def row_view(x: torch.Tensor, rows: int, block_rows: int, columns: int | None = 
                             shared_layout(block_rows, columns, x.dtype))
 
 
-def takes(q: torch.Tensor, k: torch.Tensor, mask, tiles: dict[int, tuple[int, int]], has_key_lengths: bool,
-          dropout: bool, ragged: tuple[bool, bool] = (False, False)) -> bool:
+def takes(q: torch.Tensor, k: torch.Tensor, mask, tiles: dict[int, tuple[int, int]], dropout: bool,
+          ragged: tuple[bool, bool] = (False, False)) -> bool:
     """Whether a Gluon kernel of (query, key) tiles ``tiles[head dim]`` can compute these inputs and mask:
     fp16/bf16, a head dim ``tiles`` lists, lengths that the tiles divide (SPARSE: that the mask blocks divide,
     blocks that the tiles divide: a walk takes every tile of a listed block, so a ragged last block would read
-    past the lengths), no dropout, key_lengths with DENSE and CAUSAL masks only (``key_end``: their walks end at a
-    batch's last key, which no table says). Mask and score functions they take (``tiles.modded_scores``).
+    past the lengths), no dropout. Mask and score functions they take (``tiles.modded_scores``), and key_lengths
+    (``key_end``; SPARSE row walks cut by ``walk_before``).
     ``ragged`` (queries, keys): the sides whose last tile the kernel moves back to end at the last row
     (``moved_back``); it then takes DENSE and CAUSAL masks on any lengths with a tile of those sides."""
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[3] not in tiles or dropout or (
-            has_key_lengths and mask.kind is MaskKind.SPARSE):
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[3] not in tiles or dropout:
         return False
     lengths = (q.shape[2], k.shape[2])
     if any(ragged) and mask.kind is not MaskKind.SPARSE:
@@ -199,11 +221,10 @@ def takes(q: torch.Tensor, k: torch.Tensor, mask, tiles: dict[int, tuple[int, in
 
 
 def chosen(q: torch.Tensor, k: torch.Tensor, mask, tiles: dict[int, tuple[int, int]], row_keys: float,
-           auto_row_keys: float, has_key_lengths: bool, dropout: bool,
-           ragged: tuple[bool, bool] = (False, False)) -> bool:
+           auto_row_keys: float, dropout: bool, ragged: tuple[bool, bool] = (False, False)) -> bool:
     """Whether calls take a Gluon kernel of (query, key) tiles ``tiles[head dim]``: with ``SPARSEFLASH_GLUON`` "1"
     wherever it ``takes`` them (``ragged``: as there), "auto" there on rows of ``row_keys`` >= ``auto_row_keys``
     keys on average (where it was measured faster), "0" never."""
     value = kernel_switch("SPARSEFLASH_GLUON")
-    return value != "0" and takes(q, k, mask, tiles, has_key_lengths, dropout, ragged) and (
+    return value != "0" and takes(q, k, mask, tiles, dropout, ragged) and (
         value == "1" or row_keys >= auto_row_keys)

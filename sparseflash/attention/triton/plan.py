@@ -70,7 +70,7 @@ class LaunchPlan:
         # the persistent forward has no dropout
         persistent = "" if dropout or self._loads_per_score(mask, score_graph) else forward_persistent.mode(
             q, k, mask, has_key_lengths, self.padded_dim)
-        gluon_inputs = (q, k, mask, self.mean_row_keys, has_key_lengths, dropout)
+        gluon_inputs = (q, k, mask, self.mean_row_keys, dropout)
         special_per_score = score_graph is not None and score_graph.uses_special_functions and not score_graph.separable
         self.gluon_forward = gluon_hopper(q.device) and gluon_kernels("forward").applies(
             *gluon_inputs, special_per_score, self.functions)
