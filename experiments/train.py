@@ -34,8 +34,8 @@ if __name__ == "__main__":
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A torchrun worker that finished ends as multiprocessing's children do: flushed, then os._exit. A
         # DistributedDataParallel model keeps gloo's threads running after destroy_process_group (the process
-        # group outlives it, held by torch), and the interpreter's teardown around them can abort the rank
-        # ("terminate called without an active exception") after its work is written.
+        # group outlives it, held by torch: pytorch/pytorch#107298), and the interpreter's teardown around them
+        # can abort the rank ("terminate called without an active exception") after its work is written.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
