@@ -16,7 +16,8 @@ tests as second opinions; they never import ``reference.py``.
   Flex's contract asks (its eager path ignores the block tables and reads only ``mask_mod``): none
   for DENSE, ``q_idx >= kv_idx`` for CAUSAL, a lookup in the block layout for SPARSE (and the mask's
   own mask_mod, the same Python function sparseflash compiles), and ``kv_idx < key_lengths[b]`` with
-  padding. The compiled kernel evaluates it on partial blocks only, so a mask of full blocks pays
+  padding (then the tables are each batch's: the blocks past its last key left out, those across it
+  partial). The compiled kernel evaluates it on partial blocks only, so a mask of full blocks pays
   nothing for it. A ``score_mod`` is passed through as it is. ``backend="FLASH"`` runs Flex's FLASH
   backend, FlashAttention-4 (needs its package, ``flash_attn.cute``). Works with torch 2.6 and later.
 """
@@ -128,25 +129,28 @@ def to_flex_block_mask(mask: BlockMask, device: torch.device | str, key_lengths:
 
     Tiles computed in full become Flex full blocks, the others partial blocks (see the module
     docstring). Tables are ``[B_or_1, H_or_1, n_q]`` / ``[B_or_1, H_or_1, n_q, n_kv]`` int32 (a shared
-    batch and shared heads broadcast). With ``key_lengths`` every computed tile is partial, since
-    padding can cut any.
+    batch and shared heads broadcast). With ``key_lengths`` (padding) the tables are each batch's, as
+    ``create_block_mask`` makes them from a mask_mod with ``kv_idx < key_lengths[b]``: the tiles wholly past
+    a batch's last key are left out, those across it are partial, the full tiles before it stay full.
     """
     from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
 
-    device = torch.device(device)
-    tables = mask.tables(device)
-    full_num, full_idx = tables.full_kv_num_blocks, tables.full_kv_indices
-    part_num, part_idx = tables.partial_kv_num_blocks, tables.partial_kv_indices
-    if key_lengths is not None:
-        from sparseflash.masks import layout_to_tables
+    from sparseflash.masks import layout_to_tables
 
-        part_num, part_idx = layout_to_tables(mask.layout.to(device))
-        full_num, full_idx = torch.zeros_like(part_num), torch.zeros_like(part_idx)
+    device = torch.device(device)
+    as_4d = (lambda x: x.to(device)) if mask.layout.dim() == 4 else (lambda x: x.to(device)[None])
+    full, partial = as_4d(mask.full_layout), as_4d(mask.partial_layout)  # [B_or_1, H_or_1, n_q, n_kv]
+    if key_lengths is not None:
         key_lengths = key_lengths.to(device)
+        starts = torch.arange(full.shape[-1], device=device) * mask.block_size[1]
+        some = (starts < key_lengths[:, None])[:, None, None, :]  # [B, 1, 1, n_kv]: a key before the end
+        whole = (starts + mask.block_size[1] <= key_lengths[:, None])[:, None, None, :]  # every key before it
+        computed = (full | partial) & some
+        full = full & whole
+        partial = computed & ~full
     mask_mod = _mask_mod(mask, mask.layout.to(device), key_lengths)
-    batched = (lambda x: x.contiguous()) if mask.layout.dim() == 4 else (lambda x: x[None].contiguous())
     return FlexBlockMask.from_kv_blocks(
-        batched(part_num), batched(part_idx), batched(full_num), batched(full_idx),
+        *layout_to_tables(partial), *layout_to_tables(full),
         BLOCK_SIZE=mask.block_size, mask_mod=mask_mod, seq_lengths=(mask.q_len, mask.kv_len),
     )
 

@@ -2,7 +2,8 @@
 
 Each entry says when it cannot run a case (``skip_reason``: a peer without that mask, score
 function or dropout, CUDA-only on CPU, too much memory) and builds, once per case, a zero-argument forward
-``fn() -> o`` so that per-case set-up (a Flex block mask) stays out of the timed loop. Add an entry to ``REGISTRY`` to
+``fn() -> o`` so that per-case set-up (a Flex block mask) stays out of the timed loop. A padded batch's
+``key_lengths`` (``(B,)``, or None) go to each as its own API takes them. Add an entry to ``REGISTRY`` to
 time another implementation (the tests add a deliberately wrong one).
 """
 
@@ -37,7 +38,7 @@ class Context:
 @dataclass(frozen=True)
 class HarnessBackend:
     name: str
-    build: Builder  # (q, k, v, mask, ctx, score_mod, dropout_p) -> fn() -> o
+    build: Builder  # (q, k, v, mask, ctx, score_mod, dropout_p, key_lengths) -> fn() -> o
     impl: Callable[[torch.device], str]  # what actually runs (e.g. "auto" -> "blocked" on CPU)
     cuda_only: str = ""  # non-empty: the reason it is skipped off CUDA
     dense_causal_only: bool = False  # and no score function
@@ -60,8 +61,9 @@ class HarnessBackend:
 
 
 def _sparseflash(backend: str) -> Builder:
-    def build(q, k, v, mask, ctx, score_mod=None, dropout_p=0.0):
-        return lambda: attention(q, k, v, mask, score_mod=score_mod, dropout_p=dropout_p, backend=backend)
+    def build(q, k, v, mask, ctx, score_mod=None, dropout_p=0.0, key_lengths=None):
+        return lambda: attention(q, k, v, mask, key_lengths=key_lengths, score_mod=score_mod, dropout_p=dropout_p,
+                                 backend=backend)
 
     return build
 
@@ -74,15 +76,15 @@ def _reference_skip(q, mask, ctx):
 
 
 def _sdpa(kernel: Optional[str]) -> Builder:
-    def build(q, k, v, mask, ctx, score_mod=None, dropout_p=0.0):
-        return lambda: baselines.sdpa_attention(q, k, v, mask, kernel=kernel, dropout_p=dropout_p)
+    def build(q, k, v, mask, ctx, score_mod=None, dropout_p=0.0, key_lengths=None):
+        return lambda: baselines.sdpa_attention(q, k, v, mask, key_lengths, kernel=kernel, dropout_p=dropout_p)
 
     return build
 
 
 def _flex(backend: str) -> Builder:
-    def build(q, k, v, mask, ctx, score_mod=None, dropout_p=0.0):
-        block_mask = baselines.to_flex_block_mask(mask, q.device)
+    def build(q, k, v, mask, ctx, score_mod=None, dropout_p=0.0, key_lengths=None):
+        block_mask = baselines.to_flex_block_mask(mask, q.device, key_lengths)
         return lambda: baselines.flex_attention(q, k, v, mask, block_mask=block_mask, dynamic=ctx.flex_dynamic,
                                                 score_mod=score_mod, backend=backend)
 

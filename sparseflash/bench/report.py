@@ -83,7 +83,8 @@ def _number(text: str):
 
 NUMERIC = {"head_dim", "seq_len", "kv_len", "batch", "heads", "kv_heads", "block", "density", "flops", "median_ms",
            "p20_ms", "p80_ms", "repeats", "first_call_ms", "compiled_kernels", "cached_kernels", "dynamo_graphs",
-           "tflops", "speedup_vs_dense", "dropout_p", "dropout_cost", "check_err", "peak_mem_mb"}
+           "tflops", "speedup_vs_dense", "dropout_p", "dropout_cost", "check_err", "peak_mem_mb",
+           "key_lengths_mean"}
 
 
 def _with_shape(row: dict) -> dict:
@@ -157,8 +158,10 @@ def markdown(rows: list[dict], backends: list[str] | None = None, full: bool = F
     ``full``, also every row."""
     backends = backends or list(dict.fromkeys(r["backend"] for r in rows))
     by_key = {(group_key(r), r["shape"], r["pattern_label"], r["backend"]): r for r in rows}
+    padded = any(not math.isnan(r.get("key_lengths_mean", math.nan)) for r in rows)
     lines = ["cells: median ms (TFLOP/s, speed-up over the same backend's dense); "
-             "skipped —, failed the correctness gate WRONG, crashed ERROR"]
+             "skipped —, failed the correctness gate WRONG, crashed ERROR"
+             + ("; S (keys N): padded batches, N keys on average" if padded else "")]
     for group in dict.fromkeys(group_key(r) for r in rows):
         mode, head_dim, dtype = group
         first = next(r for r in rows if group_key(r) == group)
@@ -169,18 +172,19 @@ def markdown(rows: list[dict], backends: list[str] | None = None, full: bool = F
         for shape in dict.fromkeys(r["shape"] for r in rows if group_key(r) == group):
             for label in dict.fromkeys(r["pattern_label"] for r in rows if group_key(r) == group):
                 cells = []
-                density = math.nan
+                density, keys = math.nan, math.nan
                 for b in backends:
                     r = by_key.get((group, shape, label, b))
                     if r is None:
                         cells.append("")
                         continue
-                    density = r["density"]
+                    density, keys = r["density"], r.get("key_lengths_mean", math.nan)
                     if r["status"] == "ok":
                         cells.append(f"{_fmt(r['median_ms'])} ({_fmt(r['tflops'])}, {_fmt(r['speedup_vs_dense'], 2)}×)")
                     else:
                         cells.append({"skipped": "—", "wrong": "WRONG", "error": "ERROR"}.get(r["status"], r["status"]))
-                lines.append(f"| {shape} | {label} | {density:.3f} | " + " | ".join(cells) + " |")
+                size = shape if math.isnan(keys) else f"{shape} (keys {keys:.0f})"
+                lines.append(f"| {size} | {label} | {density:.3f} | " + " | ".join(cells) + " |")
     lines += _dropout_costs(rows, backends)
     lines += _first_calls(rows, backends)
     problems: dict[tuple, int] = {}

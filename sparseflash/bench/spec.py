@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -31,6 +32,41 @@ def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: i
     """FLOPs of the computed scores: ``4 * S_q * S_kv * D`` per head per forward (two matmuls of
     ``2 * S_q * S_kv * D``), times the mask's exact density; backward 2.5x, fwd+bwd 3.5x."""
     return 4.0 * batch * heads * q_len * kv_len * head_dim * density * FLOP_FACTOR[mode]
+
+
+def draw_key_lengths(batch: int, kv_len: int, fraction: float, seed: int) -> torch.Tensor:
+    """(batch,) int64: a padded batch's key lengths, each drawn uniformly from [ceil(fraction * kv_len), kv_len]
+    by a generator seeded with ``seed``."""
+    low = math.ceil(fraction * kv_len)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(low, kv_len + 1, (batch,), generator=gen)
+
+
+def kept_per_key(mask: masks.BlockMask, rows: int = 1024) -> torch.Tensor:
+    """(kv_len,) int64: how many scores of each key a mask without a batch dim keeps, over its query rows and
+    layout heads; counted ``rows`` queries at a time, so that no q_len x kv_len tensor is built."""
+    block_m, block_n = mask.block_size
+    kv_idx = torch.arange(mask.kv_len, device=mask.device)
+    counts = torch.zeros(mask.kv_len, dtype=torch.int64, device=mask.device)
+    for start in range(0, mask.q_len, rows):
+        q_idx = torch.arange(start, min(start + rows, mask.q_len), device=mask.device)
+        kept = mask.layout[..., q_idx // block_m, :].repeat_interleave(block_n, -1)[..., :mask.kv_len]
+        if mask.causal or mask.mask_mod is not None:
+            kept = kept & mask.mask_mod_at(q_idx[:, None], kv_idx[None, :])[0]
+        counts += kept.reshape(-1, mask.kv_len).sum(0)
+    return counts
+
+
+def padded_density(mask: masks.BlockMask, key_lengths: torch.Tensor) -> float:
+    """The share of a (batch, head)'s q_len x kv_len scores computed, on average over the batch, when batch b's
+    keys end at ``key_lengths[b]`` (``mask.density`` where every batch has all its keys)."""
+    if mask.layout.dim() != 3:
+        raise ValueError(f"padded_density takes a mask without a batch dim; got a layout of shape "
+                         f"{tuple(mask.layout.shape)}")
+    counts = kept_per_key(mask)
+    before = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # scores kept before each key
+    kept = before[key_lengths.to(before.device).clamp(0, mask.kv_len)]
+    return kept.double().mean().item() / (mask.layout.shape[0] * mask.q_len * mask.kv_len)
 
 
 @dataclass(frozen=True)
@@ -232,6 +268,8 @@ class BenchConfig:
     check: Check = field(default_factory=Check)
     plots: Plots = field(default_factory=Plots)
     flex_dynamic: bool | None = None
+    # padded batches: batch b's keys end at a length drawn from [key_lengths * kv_len, kv_len] (None: no padding)
+    key_lengths: float | None = None
     progress: bool = True
     print_table: bool = True
     out_dir: str | None = None
@@ -250,6 +288,12 @@ class BenchConfig:
                     "flex_dynamic", "progress", "print_table", "out_dir"):
             if key in cfg:
                 kw[key] = cfg[key]
+        if cfg.get("key_lengths") is not None:
+            fraction = cfg["key_lengths"]
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+                raise ValueError(f"key_lengths must be a fraction in (0, 1] (each batch's keys end at a length drawn "
+                                 f"from [key_lengths * kv_len, kv_len]) or null; got {fraction!r}")
+            kw["key_lengths"] = float(fraction)
         if "seq_lens" in cfg:
             kw["seq_lens"] = [int(s) for s in _as_list(cfg["seq_lens"])]
         if cfg.get("cases"):

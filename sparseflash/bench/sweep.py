@@ -20,7 +20,7 @@ import torch
 
 from sparseflash.bench import measure
 from sparseflash.bench.backends import REGISTRY, UNSUPPORTED, Context, reference_bytes
-from sparseflash.bench.spec import DTYPES, BenchConfig, Shape, attention_flops
+from sparseflash.bench.spec import DTYPES, BenchConfig, Shape, attention_flops, draw_key_lengths, padded_density
 from sparseflash.masks import BlockMask
 
 KEY = ("mode", "head_dim", "dtype", "shape")
@@ -47,8 +47,10 @@ class _Trusted:
     backend and mode: the reference on batch 0 and as many heads as fit ``reference_max_gb``;
     if not even one head fits, the first ``check.trusted`` backend that can run the case."""
 
-    def __init__(self, cfg: BenchConfig, ctx: Context, q, k, v, do, mask: BlockMask, score_mod=None):
+    def __init__(self, cfg: BenchConfig, ctx: Context, q, k, v, do, mask: BlockMask, score_mod=None,
+                 key_lengths: Optional[torch.Tensor] = None):
         self.cfg, self.ctx, self.inputs, self.mask, self.score_mod = cfg, ctx, (q, k, v, do), mask, score_mod
+        self.key_lengths = None if key_lengths is None else key_lengths[:1]  # batch 0's, as the inputs are sliced
         self._cache: dict[str, Optional[dict]] = {}
 
     def get(self, tested: str) -> tuple[str, Optional[dict]]:
@@ -72,7 +74,7 @@ class _Trusted:
             return None
 
         def fn(qs, ks, vs, mask):
-            return backend.build(qs, ks, vs, mask, self.ctx, self.score_mod)()
+            return backend.build(qs, ks, vs, mask, self.ctx, self.score_mod, 0.0, self.key_lengths)()
 
         try:
             return measure.trusted_outputs(fn, q, k, v, do, self.mask, heads)
@@ -84,7 +86,7 @@ class _Trusted:
 
 def prepare_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: BlockMask,
                 cfg: BenchConfig, ctx: Context, trusted: _Trusted, score_mod=None,
-                dropout_p: float = 0.0) -> Optional[measure.Step]:
+                dropout_p: float = 0.0, key_lengths: Optional[torch.Tensor] = None) -> Optional[measure.Step]:
     """Build one backend on one case, run its first call and the correctness gate (not for dropout, whose
     outputs differ call by call: the tests check it against the reference); return the step to time, or
     None with ``row``'s status and reason saying why it is not timed."""
@@ -94,7 +96,7 @@ def prepare_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: Bloc
         row.update(status="skipped", reason=reason)
         return None
     try:
-        fwd = backend.build(q, k, v, mask, ctx, score_mod, dropout_p)
+        fwd = backend.build(q, k, v, mask, ctx, score_mod, dropout_p, key_lengths)
         with _kernel_configs(row), measure.compile_counts() as counts:
             (o, dgrads), row["first_call_ms"] = measure.wall_ms(lambda: measure.run_once(fwd, mode, q, k, v, do),
                                                                 ctx.device)
@@ -186,6 +188,8 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
         for dtype_name in cfg.dtypes:
             seq_len, head_dim, batch, heads = shape.q_len, shape.head_dim, shape.batch, shape.heads
             seed = cfg.seed * 1_000_003 + seq_len * 31 + head_dim + (shape.kv_len - seq_len) * 7
+            key_lengths = None if cfg.key_lengths is None else draw_key_lengths(
+                batch, shape.kv_len, cfg.key_lengths, seed).to(device)
             try:
                 q, k, v, do = _inputs(shape, DTYPES[dtype_name], device, seed)
                 input_error = None
@@ -195,8 +199,10 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
             for pattern in cfg.patterns:
                 mask = pattern.make(seq_len, cfg.block, heads, device, kv_len=shape.kv_len)
                 score_mod = pattern.make_score_mod(heads, device)
-                density, kind = mask.density, mask.kind.value
-                trusted = None if input_error else _Trusted(cfg, ctx, q, k, v, do, mask, score_mod)
+                # the share of the scores computed: the mask's, less the padding's
+                density = mask.density if key_lengths is None else padded_density(mask, key_lengths)
+                kind = mask.kind.value
+                trusted = None if input_error else _Trusted(cfg, ctx, q, k, v, do, mask, score_mod, key_lengths)
                 for mode in cfg.modes:
                     case_rows, prepared = [], []
                     for backend in cfg.backends:
@@ -208,6 +214,7 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
                             "pattern": pattern.name, "pattern_label": pattern.label,
                             "params": pattern.params_json, "density": density, "mask_kind": kind,
                             "dropout_p": pattern.dropout_p,
+                            "key_lengths_mean": math.nan if key_lengths is None else key_lengths.double().mean().item(),
                             "backend": backend, "impl": REGISTRY[backend].impl(device),
                             "status": "", "reason": "",
                             "flops": attention_flops(batch, heads, seq_len, shape.kv_len, head_dim, density, mode),
@@ -222,7 +229,7 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
                             row.update(status="skipped", reason=input_error)
                         else:
                             step = prepare_one(row, backend, mode, q, k, v, do, mask, cfg, ctx, trusted,
-                                               score_mod, pattern.dropout_p)
+                                               score_mod, pattern.dropout_p, key_lengths)
                             if step is not None:
                                 prepared.append((row, step))
                         case_rows.append(row)

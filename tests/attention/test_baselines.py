@@ -1,0 +1,93 @@
+"""The peers' adapters (``sparseflash.attention.baselines``) on CPU: the Flex BlockMask that
+``to_flex_block_mask`` builds keeps exactly the scores ``reference.allowed_scores`` keeps (its full blocks whole,
+its partial blocks through its mask_mod), and with padding it leaves out the blocks past each batch's last key,
+as ``create_block_mask`` would, so that the benchmark's Flex rows skip them as sparseflash does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseflash.attention.baselines import flex_attention, sdpa_attention, to_flex_block_mask
+from sparseflash.attention.reference import allowed_scores, reference_attention
+from sparseflash.masks import make
+
+BLOCK = 32
+
+
+def _blocks(num: torch.Tensor, idx: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """Bool [B, H, n_q, n_kv] of the blocks a Flex table pair lists."""
+    listed = torch.arange(idx.shape[-1]) < num[..., None]
+    out = torch.zeros(*idx.shape[:-1], n_kv, dtype=torch.bool)
+    return out.scatter_(-1, idx.long(), listed) if listed.any() else out
+
+
+def _kept(flex_mask, batch: int, heads: int, q_len: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores kept [B, H, S_q, S_kv], blocks listed [B, H, n_q, n_kv]) of a Flex BlockMask: its full blocks
+    whole, its partial blocks where its mask_mod keeps a score."""
+    n_kv = -(-kv_len // BLOCK)
+    full = _blocks(flex_mask.full_kv_num_blocks, flex_mask.full_kv_indices, n_kv)
+    partial = _blocks(flex_mask.kv_num_blocks, flex_mask.kv_indices, n_kv)
+    assert not (full & partial).any()
+    full, partial = (x.expand(batch, heads, -1, -1) for x in (full, partial))
+    elements = lambda x: x.repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)[..., :q_len, :kv_len]  # noqa: E731
+    b, h = torch.arange(batch)[:, None, None, None], torch.arange(heads)[None, :, None, None]
+    q_idx, kv_idx = torch.arange(q_len)[None, None, :, None], torch.arange(kv_len)[None, None, None, :]
+    mod = flex_mask.mask_mod(b, h, q_idx, kv_idx).expand(batch, heads, q_len, kv_len)
+    return elements(full) | (elements(partial) & mod), full | partial
+
+
+MASKS = {
+    "dense": lambda q_len, kv_len: make("dense", q_len, kv_len, block=BLOCK),
+    "causal": lambda q_len, kv_len: make("causal", q_len, kv_len, block=BLOCK),
+    "butterfly": lambda q_len, kv_len: make("butterfly", q_len, kv_len, block=BLOCK),
+    "random-per-head": lambda q_len, kv_len: make("random", q_len, kv_len, block=BLOCK, heads=3, density=0.4),
+    "document": lambda q_len, kv_len: make("document", q_len, block=BLOCK, documents=3, seed=2),
+}
+
+
+@pytest.mark.parametrize("padding", ["unpadded", "padded"])
+@pytest.mark.parametrize("pattern, q_len, kv_len", [
+    *((pattern, 128, 128) for pattern in MASKS), *((pattern, 96, 200) for pattern in MASKS if pattern != "document")],
+    ids=str)  # the document pattern is square
+def test_flex_block_mask_keeps_the_reference_scores(pattern, q_len, kv_len, padding):
+    mask = MASKS[pattern](q_len, kv_len)
+    lengths = torch.tensor([kv_len, kv_len - 5, BLOCK * 2, 1, 0]) if padding == "padded" else None
+    flex_mask = to_flex_block_mask(mask, "cpu", lengths)
+    kept, listed = _kept(flex_mask, 5, 3, q_len, kv_len)
+    want = allowed_scores(mask, lengths, "cpu").expand(5, 3, q_len, kv_len)
+    assert torch.equal(kept, want)
+    if lengths is not None:  # no block wholly past a batch's last key is listed, and the full ones stay full
+        past = (torch.arange(listed.shape[-1]) * BLOCK)[None, :] >= lengths[:, None]
+        assert not (listed & past[:, None, None, :]).any()
+        whole = ((torch.arange(listed.shape[-1]) + 1) * BLOCK)[None, :] <= lengths[:, None]
+        unpadded = _blocks(*(getattr(to_flex_block_mask(mask, "cpu"), name) for name in
+                             ("full_kv_num_blocks", "full_kv_indices")), listed.shape[-1])
+        full = _blocks(flex_mask.full_kv_num_blocks, flex_mask.full_kv_indices, listed.shape[-1])
+        assert torch.equal(full.expand(5, -1, -1, -1), unpadded.expand(5, -1, -1, -1) & whole[:, None, None, :])
+
+
+def test_sdpa_with_padding_matches_the_reference():
+    """SDPA with key_lengths (an explicit bool mask), causal and GQA, against the reference; a batch of no key
+    is left out (SDPA gives NaN rows there, the reference zeros)."""
+    q = torch.randn(3, 4, 70, 16)
+    k, v = torch.randn(3, 2, 90, 16), torch.randn(3, 2, 90, 16)
+    lengths = torch.tensor([90, 41, 3])
+    mask = make("causal", 70, 90, block=BLOCK)
+    got = sdpa_attention(q, k, v, mask, lengths)
+    want = reference_attention(q, k, v, mask, lengths, 16 ** -0.5)[0]
+    assert not torch.isnan(got).any()
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("pattern", ["dense", "butterfly"])
+def test_compiled_flex_with_padding_matches_the_reference(pattern):
+    """The per-batch tables run through Flex's compiled kernel (Inductor's CPU template): o of a padded batch, a
+    batch whose keys end inside a block and one a block and more before the end, against the reference."""
+    mask = make(pattern, 384, block=128)
+    q, k, v = (torch.randn(3, 2, 384, 16) for _ in range(3))
+    lengths = torch.tensor([384, 300, 130])
+    got = flex_attention(q, k, v, mask, lengths)
+    want = reference_attention(q, k, v, mask, lengths, 16 ** -0.5)[0]
+    assert not torch.isnan(got).any()
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
