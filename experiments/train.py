@@ -9,7 +9,6 @@ A mistake in the command (an unknown pattern, a missing dataset, ...) ends it wi
 `error: ...` and exit status 2 (sparseflash/cli.py); HYDRA_FULL_ERROR=1 shows the traceback.
 """
 
-import logging
 import os
 import sys
 
@@ -32,11 +31,6 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     main()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # A torchrun worker that finished ends as multiprocessing's children do: flushed, then os._exit. A
-        # DistributedDataParallel model keeps gloo's threads running after destroy_process_group (the process
-        # group outlives it, held by torch: pytorch/pytorch#107298), and the interpreter's teardown around them
-        # can abort the rank ("terminate called without an active exception") after its work is written.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        from sparseflash.distributed import end_worker
+
+        end_worker()

@@ -3,12 +3,16 @@ the loop needs.
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) it joins the process group (nccl on CUDA, gloo on CPU);
 without it, it is one process and every collective returns its input. The device is
-``cuda:LOCAL_RANK`` when CUDA is asked for (or ``auto`` finds it), else the CPU.
+``cuda:LOCAL_RANK`` when CUDA is asked for (or ``auto`` finds it), else the CPU. ``end_worker`` ends a
+torchrun worker whose run finished.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import sys
 from typing import Any
 
 import torch
@@ -76,3 +80,20 @@ class Dist:
                     dist.barrier()
             finally:
                 dist.destroy_process_group()
+
+
+def end_worker() -> None:
+    """End a torchrun worker whose run finished as multiprocessing's children end: everything flushed, then
+    ``os._exit(0)``. A DistributedDataParallel model keeps gloo's threads running after ``destroy_process_group``
+    (torch holds the process group: pytorch/pytorch#107298), and the interpreter's teardown around them can abort
+    the rank ("terminate called without an active exception") after its work is written. What the teardown would
+    have done is done here: the log handlers closed, W&B's service ended, Python's and C's stdio flushed. Threads
+    still running end with the process (the warm-up's, long done after a run)."""
+    logging.shutdown()
+    if "wandb" in sys.modules:  # its run is finished; its atexit hook would end its service process
+        sys.modules["wandb"].teardown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.name == "posix":  # what C and C++ libraries wrote through stdio, as NCCL_DEBUG=INFO's lines
+        ctypes.CDLL(None).fflush(None)
+    os._exit(0)

@@ -3,7 +3,8 @@
 Each entry says when it cannot run a case (``skip_reason``: a peer without that mask, score
 function or dropout, CUDA-only on CPU, too much memory) and builds, once per case, a zero-argument forward
 ``fn() -> o`` so that per-case set-up (a Flex block mask) stays out of the timed loop. A padded batch's
-``key_lengths`` (``(B,)``, or None) go to each as its own API takes them. Add an entry to ``REGISTRY`` to
+``key_lengths`` (``(B,)``) come as a keyword, which each passes on as its own API takes them (a builder without
+it runs sweeps without padding). Add an entry to ``REGISTRY`` to
 time another implementation (the tests add a deliberately wrong one).
 """
 
@@ -38,7 +39,7 @@ class Context:
 @dataclass(frozen=True)
 class HarnessBackend:
     name: str
-    build: Builder  # (q, k, v, mask, ctx, score_mod, dropout_p, key_lengths) -> fn() -> o
+    build: Builder  # (q, k, v, mask, ctx, score_mod, dropout_p[, key_lengths=]) -> fn() -> o
     impl: Callable[[torch.device], str]  # what actually runs (e.g. "auto" -> "blocked" on CPU)
     cuda_only: str = ""  # non-empty: the reason it is skipped off CUDA
     dense_causal_only: bool = False  # and no score function

@@ -172,19 +172,18 @@ def markdown(rows: list[dict], backends: list[str] | None = None, full: bool = F
         for shape in dict.fromkeys(r["shape"] for r in rows if group_key(r) == group):
             for label in dict.fromkeys(r["pattern_label"] for r in rows if group_key(r) == group):
                 cells = []
-                density, keys = math.nan, math.nan
+                density = math.nan
                 for b in backends:
                     r = by_key.get((group, shape, label, b))
                     if r is None:
                         cells.append("")
                         continue
-                    density, keys = r["density"], r.get("key_lengths_mean", math.nan)
+                    density = r["density"]
                     if r["status"] == "ok":
                         cells.append(f"{_fmt(r['median_ms'])} ({_fmt(r['tflops'])}, {_fmt(r['speedup_vs_dense'], 2)}×)")
                     else:
                         cells.append({"skipped": "—", "wrong": "WRONG", "error": "ERROR"}.get(r["status"], r["status"]))
-                size = shape if math.isnan(keys) else f"{shape} (keys {keys:.0f})"
-                lines.append(f"| {size} | {label} | {density:.3f} | " + " | ".join(cells) + " |")
+                lines.append(f"| {shape} | {label} | {density:.3f} | " + " | ".join(cells) + " |")
     lines += _dropout_costs(rows, backends)
     lines += _first_calls(rows, backends)
     problems: dict[tuple, int] = {}

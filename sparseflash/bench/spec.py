@@ -35,16 +35,20 @@ def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: i
 
 
 def draw_key_lengths(batch: int, kv_len: int, fraction: float, seed: int) -> torch.Tensor:
-    """(batch,) int64: a padded batch's key lengths, each drawn uniformly from [ceil(fraction * kv_len), kv_len]
-    by a generator seeded with ``seed``."""
+    """(batch,) int64: a padded batch's key lengths, drawn uniformly from [ceil(fraction * kv_len), kv_len] by a
+    generator seeded with ``seed``, the shortest first and below kv_len where the range allows: the benchmark's
+    correctness gate checks batch 0, which then has padding."""
     low = math.ceil(fraction * kv_len)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randint(low, kv_len + 1, (batch,), generator=gen)
+    lengths = torch.randint(low, kv_len + 1, (batch,), generator=gen).sort().values
+    lengths[0] = min(int(lengths[0]), max(low, kv_len - 1))
+    return lengths
 
 
 def kept_per_key(mask: masks.BlockMask, rows: int = 1024) -> torch.Tensor:
     """(kv_len,) int64: how many scores of each key a mask without a batch dim keeps, over its query rows and
-    layout heads; counted ``rows`` queries at a time, so that no q_len x kv_len tensor is built."""
+    layout heads: ``BlockMask.to_dense`` summed over the queries, ``rows`` queries at a time, so that no
+    q_len x kv_len tensor is built (4 GiB of bools for 16 heads of 16k x 16k)."""
     block_m, block_n = mask.block_size
     kv_idx = torch.arange(mask.kv_len, device=mask.device)
     counts = torch.zeros(mask.kv_len, dtype=torch.int64, device=mask.device)

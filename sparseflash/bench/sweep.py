@@ -42,6 +42,12 @@ def _first_line(err: BaseException, limit: int = 300) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"[:limit]
 
 
+def padding(key_lengths: Optional[torch.Tensor]) -> dict:
+    """The keyword a builder takes a padded batch's key lengths by: none without padding, so that a builder
+    written without the argument still runs unpadded sweeps."""
+    return {} if key_lengths is None else {"key_lengths": key_lengths}
+
+
 class _Trusted:
     """The gate's trusted outputs for one (case, pattern), computed once and shared by every
     backend and mode: the reference on batch 0 and as many heads as fit ``reference_max_gb``;
@@ -74,7 +80,7 @@ class _Trusted:
             return None
 
         def fn(qs, ks, vs, mask):
-            return backend.build(qs, ks, vs, mask, self.ctx, self.score_mod, 0.0, self.key_lengths)()
+            return backend.build(qs, ks, vs, mask, self.ctx, self.score_mod, **padding(self.key_lengths))()
 
         try:
             return measure.trusted_outputs(fn, q, k, v, do, self.mask, heads)
@@ -96,7 +102,7 @@ def prepare_one(row: dict, backend_name: str, mode: str, q, k, v, do, mask: Bloc
         row.update(status="skipped", reason=reason)
         return None
     try:
-        fwd = backend.build(q, k, v, mask, ctx, score_mod, dropout_p, key_lengths)
+        fwd = backend.build(q, k, v, mask, ctx, score_mod, dropout_p, **padding(key_lengths))
         with _kernel_configs(row), measure.compile_counts() as counts:
             (o, dgrads), row["first_call_ms"] = measure.wall_ms(lambda: measure.run_once(fwd, mode, q, k, v, do),
                                                                 ctx.device)
@@ -176,6 +182,11 @@ def _inputs(shape: Shape, dtype, device, seed):
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
 
 
+def case_seed(cfg: BenchConfig, shape: Shape) -> int:
+    """The seed of a shape's inputs and (padded batches) key lengths: a rerun draws the same."""
+    return cfg.seed * 1_000_003 + shape.q_len * 31 + shape.head_dim + (shape.kv_len - shape.q_len) * 7
+
+
 def count(cfg: BenchConfig) -> int:
     return len(cfg.shapes()) * len(cfg.dtypes) * len(cfg.patterns) * len(cfg.modes) * len(cfg.backends)
 
@@ -187,9 +198,12 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
     for shape in cfg.shapes():
         for dtype_name in cfg.dtypes:
             seq_len, head_dim, batch, heads = shape.q_len, shape.head_dim, shape.batch, shape.heads
-            seed = cfg.seed * 1_000_003 + seq_len * 31 + head_dim + (shape.kv_len - seq_len) * 7
+            seed = case_seed(cfg, shape)
             key_lengths = None if cfg.key_lengths is None else draw_key_lengths(
                 batch, shape.kv_len, cfg.key_lengths, seed).to(device)
+            mean_keys = math.nan if key_lengths is None else key_lengths.double().mean().item()
+            # a padded shape names its mean keys, so that no comparison takes it for the unpadded one
+            shape_label = shape.label if key_lengths is None else f"{shape.label} (keys {mean_keys:.0f})"
             try:
                 q, k, v, do = _inputs(shape, DTYPES[dtype_name], device, seed)
                 input_error = None
@@ -209,12 +223,12 @@ def sweep(cfg: BenchConfig, env: dict, on_row: Callable[[dict], None] = lambda r
                         row = {
                             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "mode": mode,
                             "head_dim": head_dim, "dtype": dtype_name, "seq_len": seq_len,
-                            "kv_len": shape.kv_len, "shape": shape.label,
+                            "kv_len": shape.kv_len, "shape": shape_label,
                             "batch": batch, "heads": heads, "kv_heads": shape.kv_heads, "block": cfg.block,
                             "pattern": pattern.name, "pattern_label": pattern.label,
                             "params": pattern.params_json, "density": density, "mask_kind": kind,
                             "dropout_p": pattern.dropout_p,
-                            "key_lengths_mean": math.nan if key_lengths is None else key_lengths.double().mean().item(),
+                            "key_lengths_mean": mean_keys,
                             "backend": backend, "impl": REGISTRY[backend].impl(device),
                             "status": "", "reason": "",
                             "flops": attention_flops(batch, heads, seq_len, shape.kv_len, head_dim, density, mode),

@@ -19,7 +19,7 @@ def _blocks(num: torch.Tensor, idx: torch.Tensor, n_kv: int) -> torch.Tensor:
     """Bool [B, H, n_q, n_kv] of the blocks a Flex table pair lists."""
     listed = torch.arange(idx.shape[-1]) < num[..., None]
     out = torch.zeros(*idx.shape[:-1], n_kv, dtype=torch.bool)
-    return out.scatter_(-1, idx.long(), listed) if listed.any() else out
+    return out.scatter_(-1, idx.long(), listed)
 
 
 def _kept(flex_mask, batch: int, heads: int, q_len: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,14 +57,17 @@ def test_flex_block_mask_keeps_the_reference_scores(pattern, q_len, kv_len, padd
     kept, listed = _kept(flex_mask, 5, 3, q_len, kv_len)
     want = allowed_scores(mask, lengths, "cpu").expand(5, 3, q_len, kv_len)
     assert torch.equal(kept, want)
-    if lengths is not None:  # no block wholly past a batch's last key is listed, and the full ones stay full
-        past = (torch.arange(listed.shape[-1]) * BLOCK)[None, :] >= lengths[:, None]
-        assert not (listed & past[:, None, None, :]).any()
-        whole = ((torch.arange(listed.shape[-1]) + 1) * BLOCK)[None, :] <= lengths[:, None]
-        unpadded = _blocks(*(getattr(to_flex_block_mask(mask, "cpu"), name) for name in
-                             ("full_kv_num_blocks", "full_kv_indices")), listed.shape[-1])
-        full = _blocks(flex_mask.full_kv_num_blocks, flex_mask.full_kv_indices, listed.shape[-1])
-        assert torch.equal(full.expand(5, -1, -1, -1), unpadded.expand(5, -1, -1, -1) & whole[:, None, None, :])
+    if lengths is not None:  # the unpadded mask's blocks less those wholly past a batch's last key; full ones
+        # before it stay full (a listed block the mask_mod drops whole would pass the element check above)
+        n_kv = listed.shape[-1]
+        past = ((torch.arange(n_kv) * BLOCK)[None, :] >= lengths[:, None])[:, None, None, :]
+        whole = (((torch.arange(n_kv) + 1) * BLOCK)[None, :] <= lengths[:, None])[:, None, None, :]
+        unpadded = to_flex_block_mask(mask, "cpu")
+        blocks = _kept(unpadded, 5, 3, q_len, kv_len)[1]
+        unpadded_full = _blocks(unpadded.full_kv_num_blocks, unpadded.full_kv_indices, n_kv).expand(5, 3, -1, -1)
+        full = _blocks(flex_mask.full_kv_num_blocks, flex_mask.full_kv_indices, n_kv).expand(5, 3, -1, -1)
+        assert torch.equal(listed, blocks & ~past)
+        assert torch.equal(full, unpadded_full & whole)
 
 
 def test_sdpa_with_padding_matches_the_reference():

@@ -379,12 +379,10 @@ def test_gpu_gluon_kernels_take_key_lengths(pattern, q_len, kv_len, dim, dtype, 
     q = torch.randn(5, 4, q_len, dim, dtype=dtype, device="cuda")
     k, v = (torch.randn(5, 2, kv_len, dim, dtype=dtype, device="cuda") for _ in range(2))
     key_lengths = torch.tensor([kv_len, kv_len - 37, kv_len - 200, 5, 0], device="cuda")
-    if pattern in MASKS:
-        mask = MASKS[pattern](q_len, kv_len, 4)
-    elif pattern == "document":
+    if pattern == "document":
         mask = make("document", q_len, block=128, documents=5, seed=1, device="cuda")
     else:
-        mask = make(pattern, q_len, kv_len)
+        mask = MASKS[pattern](q_len, kv_len, 4)
     launched = _spy_launches(monkeypatch)
     check_backend("triton", q, k, v, mask, torch.randn_like(q), key_lengths)
     _assert_gluon_ran(launched, dim)

@@ -30,8 +30,9 @@ Constexpr flags:
   RAGGED_KEYS    DENSE or CAUSAL, kv_len not a multiple of BLOCK_N: the last key tile ends at kv_len, overlapping
                  the tile before, whose keys it masks (``gluon_tools.moved_back``); no load reads past a head's keys.
   HAS_KEY_LENGTHS  KEY_LENGTHS[b] ends batch b's keys (``gluon_tools.key_end``): its rows walk the key tiles up to
-                 it (SPARSE: the listed blocks before it, ``gluon_tools.walk_before``) and mask the keys past it in
-                 the tile across it.
+                 it and mask the keys past it in the tile across it. SPARSE walks whole blocks: the listed blocks
+                 with a key before it (``gluon_tools.walk_before``), so that a block across it has its tiles
+                 computed and masked, those wholly past it too.
   BLOCK_N        key rows of a tile (``KEY_TILE``: 128, 64 at head dims 192 and 256).
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
   HEAD_DIM, HEAD_DIM2  the head dim, a power of two (HEAD_DIM2 = 0), or its two parts (``plan.head_dim_parts``:
@@ -203,9 +204,10 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGT
                SCHEDULED: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr):
     """Work item ``item``: the one SCHEDULE's entry ``item`` names (SCHEDULED: bh * query tiles + query tile), or
-    the query tiles of each (batch, head) in turn. Its (batch, head) bh, first query q_start, unmasked key tiles
-    n_full, key tiles n_tiles, (SPARSE) the row tables' entries of its mask row and the end of its batch's keys
-    kv_end (``gluon_tools.key_end``)."""
+    the query tiles of each (batch, head) in turn. Its (batch, head) bh, first query q_start, key tiles n_full that
+    need no mask of theirs (SPARSE: the full blocks', which key_lengths may cut all the same, ``_scores``), key tiles
+    n_tiles, (SPARSE) the row tables' entries of its mask row and the end of its batch's keys kv_end
+    (``gluon_tools.key_end``)."""
     m_tiles = gl.cdiv(q_len, BLOCK_M)
     item = scheduled_item(SCHEDULE, item, SCHEDULED)
     bh = item // m_tiles

@@ -117,9 +117,9 @@ def walk_before(n_full, n_tiles, full_idx, part_idx, end_block, TILES_PER_BLOCK:
 
 @gluon.jit
 def entries_below(idx, num, bound):
-    """How many of the ascending entries idx[0:num] are below ``bound``: 32 entries at a time, each warp of the
-    partition loading all of them, so that the count is a warp's (no exchange between warps; a table row of 32
-    blocks or fewer, the common one, takes one round of loads)."""
+    """How many of the ascending entries idx[0:num] are below ``bound``, the Gluon twin of ``tiles.blocks_below``:
+    32 entries at a time, each warp of the partition loading all of them, so that the count is a warp's (no
+    exchange between warps; a table row of 32 blocks or fewer, the common one, takes one round of loads)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     offs = gl.arange(0, 32, layout=layout)
     count = num * 0
