@@ -46,19 +46,11 @@ def draw_key_lengths(batch: int, kv_len: int, fraction: float, seed: int) -> tor
 
 
 def kept_per_key(mask: masks.BlockMask, rows: int = 1024) -> torch.Tensor:
-    """(kv_len,) int64: how many scores of each key a mask without a batch dim keeps, over its query rows and
-    layout heads: ``BlockMask.to_dense`` summed over the queries, ``rows`` queries at a time, so that no
+    """(kv_len,) int64: how many scores of each key a mask keeps, over its query rows and layout heads (and
+    batch): ``BlockMask.to_dense`` summed over the queries, ``rows`` queries at a time, so that no
     q_len x kv_len tensor is built (4 GiB of bools for 16 heads of 16k x 16k)."""
-    block_m, block_n = mask.block_size
-    kv_idx = torch.arange(mask.kv_len, device=mask.device)
-    counts = torch.zeros(mask.kv_len, dtype=torch.int64, device=mask.device)
-    for start in range(0, mask.q_len, rows):
-        q_idx = torch.arange(start, min(start + rows, mask.q_len), device=mask.device)
-        kept = mask.layout[..., q_idx // block_m, :].repeat_interleave(block_n, -1)[..., :mask.kv_len]
-        if mask.causal or mask.mask_mod is not None:
-            kept = kept & mask.mask_mod_at(q_idx[:, None], kv_idx[None, :])[0]
-        counts += kept.reshape(-1, mask.kv_len).sum(0)
-    return counts
+    return sum(mask.to_dense(range(start, min(start + rows, mask.q_len))).reshape(-1, mask.kv_len).sum(0)
+               for start in range(0, mask.q_len, rows))
 
 
 def padded_density(mask: masks.BlockMask, key_lengths: torch.Tensor) -> float:

@@ -376,16 +376,17 @@ class BlockMask:
             kept = (self.layout.cpu().to(torch.int64) * self._kept_per_tile()).sum().item()
         return kept / (self.layout[..., 0, 0].numel() * self.q_len * self.kv_len)
 
-    def to_dense(self) -> torch.Tensor:
+    def to_dense(self, queries: range | None = None) -> torch.Tensor:
         """Element-level bool mask ``[H_or_1, q_len, kv_len]`` (``[B, H_or_1, ...]`` with a batch
-        dimension), True where a score is kept."""
+        dimension), True where a score is kept; ``queries`` (a range of query indices): their rows only,
+        so that a long mask can be read a band at a time."""
         block_m, block_n = self.block_size
-        dense = self.layout.repeat_interleave(block_m, -2).repeat_interleave(block_n, -1)
-        dense = dense[..., : self.q_len, : self.kv_len]
+        q_idx = torch.arange(*((0, self.q_len) if queries is None else (queries.start, queries.stop)),
+                             device=self.device)
+        dense = self.layout[..., q_idx // block_m, :].repeat_interleave(block_n, -1)[..., : self.kv_len]
         if self.causal or self.mask_mod is not None:
-            q_idx = torch.arange(self.q_len, device=self.device)[:, None]
             kv_idx = torch.arange(self.kv_len, device=self.device)[None, :]
-            keep = self.mask_mod_at(q_idx, kv_idx)
+            keep = self.mask_mod_at(q_idx[:, None], kv_idx)
             dense = dense & (keep if self.layout.dim() == 4 else keep[0])
         return dense
 

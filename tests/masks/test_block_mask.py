@@ -186,6 +186,13 @@ def test_to_dense_matches_naive(random_mask):
     assert torch.equal(dense, expected)
 
 
+def test_to_dense_of_a_band_of_queries_is_those_rows(random_mask):
+    mask, _ = random_mask
+    start = torch.randint(0, mask.q_len, ()).item()
+    stop = torch.randint(start + 1, mask.q_len + 1, ()).item()
+    assert torch.equal(mask.to_dense(range(start, stop)), mask.to_dense()[..., start:stop, :])
+
+
 def test_density_is_exact(random_mask):
     mask, _ = random_mask
     assert mask.density == pytest.approx(mask.to_dense().double().mean().item(), abs=1e-12)
