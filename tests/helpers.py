@@ -275,10 +275,13 @@ def dkdv_query_rows(monkeypatch) -> None:
     """For the rest of the test, the backward's dK/dV programs (their own launch or the fused one) hold 16
     keys and stream 32 queries (as far as the mask blocks allow), so that their score tiles have the
     queries along the rows (backward.py, QUERY_ROWS), where the interpreter's square tile keeps the keys
-    there; the other kernels keep their configs. Choices made meanwhile are dropped after the test."""
-    from sparseflash.attention.triton import tuning
+    there; the other kernels keep their configs. Choices made meanwhile are dropped after the test. Nothing stands
+    in for the backward on its first call (``launch.standing_in``, on hosts of many CPUs): its halves' launches
+    are not tuned ones, which ``tuning.recording`` would not see."""
+    from sparseflash.attention.triton import backward, tuning
 
     original = tuning.candidates
+    monkeypatch.setattr(backward, "usable_cpus", lambda: 1)
 
     def candidates(kernel, key):
         if kernel in ("dkdv", "backward"):

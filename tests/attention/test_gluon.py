@@ -364,7 +364,8 @@ def test_gpu_gluon_forward_on_lengths_its_tiles_do_not_divide(case, q_len, kv_le
                                         (256, torch.bfloat16)], ids=["d64-bf16", "d80-fp16", "d128-bf16", "d256-bf16"])
 @pytest.mark.parametrize("pattern, q_len, kv_len", [
     ("dense", 512, 512), ("causal", 700, 700), ("dense", 300, 1000), ("causal", 1000, 700), ("butterfly", 512, 768),
-    ("local-causal-256", 768, 768), ("random-per-head", 512, 512), ("empty-rows", 512, 512), ("document", 512, 512)],
+    ("local-causal-256", 768, 768), ("random-per-head", 512, 512), ("empty-rows", 512, 512), ("document", 512, 512),
+    ("random-per-batch", 512, 768), ("window-per-batch-and-head", 512, 512)],
     ids=str)
 def test_gpu_gluon_kernels_take_key_lengths(pattern, q_len, kv_len, dim, dtype, monkeypatch):
     """key_lengths (``gluon_tools.key_end``): a batch of all its keys, one ending inside the last key tile, one a
@@ -372,7 +373,8 @@ def test_gpu_gluon_kernels_take_key_lengths(pattern, q_len, kv_len, dim, dtype, 
     Gluon forward's walks end at each batch's last key (SPARSE: the listed blocks past it left out,
     ``gluon_tools.walk_before``, a full block across it masked), the Gluon backward's key tiles past it store
     zeros; every mask kind (SPARSE with full blocks only, causal partial blocks, empty rows, a mask function), GQA,
-    lengths the tiles do not divide. o, lse and the gradients against the reference."""
+    lengths the tiles do not divide, masks with a batch dim (a block layout per batch, a window per batch and head).
+    o, lse and the gradients against the reference."""
     if not gluon_hopper(torch.device("cuda")):
         pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
@@ -381,6 +383,13 @@ def test_gpu_gluon_kernels_take_key_lengths(pattern, q_len, kv_len, dim, dtype, 
     key_lengths = torch.tensor([kv_len, kv_len - 37, kv_len - 200, 5, 0], device="cuda")
     if pattern == "document":
         mask = make("document", q_len, block=128, documents=5, seed=1, device="cuda")
+    elif pattern == "random-per-batch":  # a [B, 1, n_q, n_kv] layout
+        layout = torch.rand(5, 1, q_len // 128, kv_len // 128, device="cuda") < 0.5
+        mask = masks.BlockMask(layout, (128, 128), q_len, kv_len)
+    elif pattern == "window-per-batch-and-head":  # a [B, H, n_q, n_kv] layout and its predicate
+        widths = torch.randint(1, 400, (5, 4), device="cuda")
+        mask = masks.from_mask_mod(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() < widths[b, h], q_len,
+                                   kv_len, block=128, batch=5, heads=4, device="cuda")
     else:
         mask = MASKS[pattern](q_len, kv_len, 4)
     launched = _spy_launches(monkeypatch)

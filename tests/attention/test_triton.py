@@ -106,6 +106,7 @@ CPU_CASES = [
     ("random-per-head", 130, 130, 16, torch.float16, False, "cut"),
     ("bigbird", 100, 150, 8, torch.float16, True, "cut"),
     ("causal", 150, 150, 16, torch.bfloat16, False, "cut"),
+    ("local-16x128", 150, 290, 32, torch.float16, True, "cut"),  # a full block of several key tiles across the end
     # lengths that the tiles divide: the kernels' EVEN_LENGTHS variant, which loads without bounds
     ("dense", 64, 128, 64, torch.bfloat16, True, "cut"),
     ("dense", 96, 64, 16, torch.float16, False, False),

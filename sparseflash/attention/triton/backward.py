@@ -50,7 +50,7 @@ from sparseflash.attention.triton.plan import LaunchPlan, gluon_kernels
 from sparseflash.attention.triton.tiles import (DROPOUT_ARGS, dropout_kept_tile, key_steps, key_tile_scores,
                                                listed_block, load_head_parts, load_part, load_seed, mma, mod_positions,
                                                modded_scores, row_term, row_tile_ranges, second_part_columns,
-                                               store_head_parts, store_part, tile_start)
+                                               store_head_parts, store_part, tile_start, tiles_before_bound)
 from sparseflash.attention.triton.tuning import KernelConfig, fit, planned, run_tuned
 
 
@@ -417,17 +417,27 @@ def _dq_program(
     if HEAD_DIM2 > 0:
         dq2 = tl.zeros([BLOCK_M, HEAD_DIM2], dtype=tl.float32)
     WALK_TABLES: tl.constexpr = MASK_KIND == 2
-    FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
+    SPLIT_AT_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS  # as tiles.forward_row's
     PART_NEEDS_BOUND: tl.constexpr = HAS_KEY_LENGTHS or not EVEN_LENGTHS
     full_idx, full_hi, part_idx, part_lo, part_hi = row_tile_ranges(
         FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, q_start, kv_bound,
         stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
         MASK_KIND, HAS_KEY_LENGTHS, BLOCK_M, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N)
+    full_bounded = full_hi
+    if SPLIT_AT_BOUND:
+        full_bounded = tiles_before_bound(full_idx, full_hi, kv_bound, BLOCK_N, SPARSE_BLOCK_N)
     dq, dq2 = _dq_tiles(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                        stride_vd, 0, full_hi, full_idx, q_start, offs_m, offs_n, offs_d, offs_d2, kv_bound, head_dim,
-                        qk_scale, b, h, q_len, kv_len, MODS, seed, bh, dropout_threshold, dropout_scale, WALK_TABLES,
-                        False, FULL_NEEDS_BOUND, False, MASK_MOD, SCORE_MOD, SCORE_KEYS, DROPOUT, BLOCK_N,
+                        stride_vd, 0, full_bounded, full_idx, q_start, offs_m, offs_n, offs_d, offs_d2, kv_bound,
+                        head_dim, qk_scale, b, h, q_len, kv_len, MODS, seed, bh, dropout_threshold, dropout_scale,
+                        WALK_TABLES, False, False, False, MASK_MOD, SCORE_MOD, SCORE_KEYS, DROPOUT, BLOCK_N,
                         SPARSE_BLOCK_N, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
+    if SPLIT_AT_BOUND:
+        if full_hi > full_bounded:
+            dq, dq2 = _dq_tiles(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                stride_vd, full_bounded, full_hi, full_idx, q_start, offs_m, offs_n, offs_d, offs_d2,
+                                kv_bound, head_dim, qk_scale, b, h, q_len, kv_len, MODS, seed, bh, dropout_threshold,
+                                dropout_scale, WALK_TABLES, False, True, False, MASK_MOD, SCORE_MOD, SCORE_KEYS,
+                                DROPOUT, BLOCK_N, SPARSE_BLOCK_N, HEAD_DIM2, D_PADDED, DOT_PRECISION, WIDEN_DOTS)
     if part_hi > part_lo:
         dq, dq2 = _dq_tiles(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
                             stride_vd, part_lo, part_hi, part_idx, q_start, offs_m, offs_n, offs_d, offs_d2, kv_bound,

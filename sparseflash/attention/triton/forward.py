@@ -5,7 +5,8 @@ Constexpr flags (one kernel body, specialised by the compiler):
                   1 CAUSAL: tiles below the diagonal unmasked, diagonal tiles masked, none above.
                   2 SPARSE: walk the row tables; full blocks unmasked, partial blocks masked.
   IS_CAUSAL       apply q_idx >= kv_idx in masked tiles (top-left alignment).
-  HAS_KEY_LENGTHS key_lengths[b] bounds the keys of batch b (SPARSE full blocks mask it too).
+  HAS_KEY_LENGTHS key_lengths[b] bounds the keys of batch b (in SPARSE rows also the tiles of the full
+                  block across it, tiles.tiles_before_bound).
   BLOCK_M/BLOCK_N kernel tile (queries/keys); each divides SPARSE_BLOCK_M/SPARSE_BLOCK_N.
   HEAD_DIM        head dim padded to a power of two >= 16, or the first of two parts (HEAD_DIM2: the
                   second's width, tiles.py); D_PADDED: the real head dim is smaller.

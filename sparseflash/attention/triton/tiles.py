@@ -187,6 +187,19 @@ def row_tile_ranges(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, q_start, kv_bo
 
 
 @triton.jit
+def tiles_before_bound(full_idx, full_hi, kv_bound, BLOCK_N: tl.constexpr, SPARSE_BLOCK_N: tl.constexpr):
+    """How many of the first full_hi tiles of a walk over the full blocks listed at full_idx end at or before
+    kv_bound, and so need no key bound: all but those of the walk's last block past it. ``row_tile_ranges`` keeps
+    the blocks below cdiv(kv_bound, SPARSE_BLOCK_N), ascending, so only the last may run across kv_bound. Its
+    entry is read even at full_hi = 0: every table row holds an entry 0 (``listed_block``)."""
+    tiles_per_block: tl.constexpr = SPARSE_BLOCK_N // BLOCK_N
+    last = tl.maximum(full_hi - 1, 0) // tiles_per_block
+    last_start = tl.load(full_idx + last) * SPARSE_BLOCK_N
+    inside = tl.minimum(tl.maximum(kv_bound - last_start, 0) // BLOCK_N, tiles_per_block)
+    return tl.minimum(full_hi, last * tiles_per_block + inside)
+
+
+@triton.jit
 def mod_positions(offs_m, offs_kv, q_len, kv_len):
     """Query and key positions as a mask or score function sees them, clamped into the sequences (a
     tile's rows or keys past them are dropped anyway, and a captured tensor as long as a sequence is
@@ -501,16 +514,28 @@ def forward_row(q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_v
     acc2 = ()
     if HEAD_DIM2 > 0:
         acc2 = tl.zeros([BLOCK_M, HEAD_DIM2], dtype=tl.float32)
-    # SPARSE full blocks may still straddle key_lengths[b]; DENSE/CAUSAL runs stop before it.
     WALK_TABLES: tl.constexpr = MASK_KIND == 2
-    FULL_NEEDS_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
+    # SPARSE's last full block may run across key_lengths[b]: its tiles from full_bounded on take the key bound,
+    # the others none (bounding them all ran the forward ~15% slower); DENSE/CAUSAL runs stop before it
+    SPLIT_AT_BOUND: tl.constexpr = WALK_TABLES and HAS_KEY_LENGTHS
     PART_NEEDS_BOUND: tl.constexpr = HAS_KEY_LENGTHS or not EVEN_LENGTHS
+    full_bounded = full_hi
+    if SPLIT_AT_BOUND:
+        full_bounded = tl.maximum(tiles_before_bound(full_idx, full_hi, kv_bound, BLOCK_N, SPARSE_BLOCK_N), full_lo)
     acc, acc2, l_i, m_i = forward_tiles(
         acc, acc2, l_i, m_i, q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        full_lo, full_hi, full_idx, offs_m, offs_n, offs_d, offs_d2, kv_bound, head_dim, qk_scale, b, h, q_len, kv_len,
-        q_ref, MODS, seed, drop_row, row_start, drop_threshold, WALK_TABLES, False, FULL_NEEDS_BOUND, False, MASK_MOD,
+        full_lo, full_bounded, full_idx, offs_m, offs_n, offs_d, offs_d2, kv_bound, head_dim, qk_scale, b, h, q_len,
+        kv_len, q_ref, MODS, seed, drop_row, row_start, drop_threshold, WALK_TABLES, False, False, False, MASK_MOD,
         SCORE_MOD, SCORE_KEYS, DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N, HEAD_DIM2, D_PADDED, DOT_PRECISION,
         WIDEN_DOTS)
+    if SPLIT_AT_BOUND:
+        if full_hi > full_bounded:
+            acc, acc2, l_i, m_i = forward_tiles(
+                acc, acc2, l_i, m_i, q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                full_bounded, full_hi, full_idx, offs_m, offs_n, offs_d, offs_d2, kv_bound, head_dim, qk_scale, b, h,
+                q_len, kv_len, q_ref, MODS, seed, drop_row, row_start, drop_threshold, WALK_TABLES, False, True, False,
+                MASK_MOD, SCORE_MOD, SCORE_KEYS, DROPOUT, ALIGNED_ROWS, BLOCK_N, SPARSE_BLOCK_N, HEAD_DIM2, D_PADDED,
+                DOT_PRECISION, WIDEN_DOTS)
     if part_hi > part_lo:  # rows without partial blocks skip the masked run's set-up and drain
         acc, acc2, l_i, m_i = forward_tiles(
             acc, acc2, l_i, m_i, q, q2, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
