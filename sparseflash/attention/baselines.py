@@ -18,7 +18,9 @@ tests as second opinions; they never import ``reference.py``.
   own mask_mod, the same Python function sparseflash compiles), and ``kv_idx < key_lengths[b]`` with
   padding (then the tables are each batch's: the blocks past its last key left out, those across it
   partial). The compiled kernel evaluates it on partial blocks only, so a mask of full blocks pays
-  nothing for it. A ``score_mod`` is passed through as it is. ``backend="FLASH"`` runs Flex's FLASH
+  nothing for it. Mask blocks smaller than 128 (the LRA configs' 64) become 128-blocks, as
+  ``create_block_mask``'s default BLOCK_SIZE makes them from the element mask: Flex's kernels take tiles of
+  128 that must divide its blocks (its Triton template fails on 64-blocks with its default tiles). A ``score_mod`` is passed through as it is. ``backend="FLASH"`` runs Flex's FLASH
   backend, FlashAttention-4 (needs its package, ``flash_attn.cute``). Works with torch 2.6 and later.
 """
 
@@ -124,14 +126,30 @@ def _mask_mod(mask: BlockMask, layout: torch.Tensor, key_lengths: torch.Tensor |
     return mask_mod
 
 
+FLEX_BLOCK = 128  # create_block_mask's default BLOCK_SIZE and Flex's kernel tiles
+
+
+def _merged(layout: torch.Tensor, factors: tuple[int, int], reduce) -> torch.Tensor:
+    """A bool ``[B, H, n_q, n_kv]`` block layout with each ``factors`` (rows, columns) of blocks merged into one by
+    ``reduce`` (``torch.all`` or ``torch.any``); a last group that the sequence ends inside counts only its
+    blocks."""
+    rows, columns = factors
+    pad = (0, -layout.shape[3] % columns, 0, -layout.shape[2] % rows)
+    padded = torch.nn.functional.pad(layout.to(torch.uint8), pad, value=int(reduce is torch.all)).bool()
+    grouped = padded.unflatten(3, (-1, columns)).unflatten(2, (-1, rows))  # [B, H, n_q', rows, n_kv', columns]
+    return reduce(reduce(grouped, dim=5), dim=3)
+
+
 def to_flex_block_mask(mask: BlockMask, device: torch.device | str, key_lengths: torch.Tensor | None = None):
     """A ``torch.nn.attention.flex_attention.BlockMask`` selecting the same scores as ``mask``.
 
     Tiles computed in full become Flex full blocks, the others partial blocks (see the module
-    docstring). Tables are ``[B_or_1, H_or_1, n_q]`` / ``[B_or_1, H_or_1, n_q, n_kv]`` int32 (a shared
-    batch and shared heads broadcast). With ``key_lengths`` (padding) the tables are each batch's, as
-    ``create_block_mask`` makes them from a mask_mod with ``kv_idx < key_lengths[b]``: the tiles wholly past
-    a batch's last key are left out, those across it are partial, the full tiles before it stay full.
+    docstring); a block side that divides FLEX_BLOCK is merged up to it (a merged block is full where all of its
+    blocks are, partial where some are computed). Tables are ``[B_or_1, H_or_1, n_q]`` /
+    ``[B_or_1, H_or_1, n_q, n_kv]`` int32 (a shared batch and shared heads broadcast). With ``key_lengths``
+    (padding) the tables are each batch's, as ``create_block_mask`` makes them from a mask_mod with
+    ``kv_idx < key_lengths[b]``: the tiles wholly past a batch's last key are left out, those across it are
+    partial, the full tiles before it stay full.
     """
     from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
 
@@ -140,18 +158,23 @@ def to_flex_block_mask(mask: BlockMask, device: torch.device | str, key_lengths:
     device = torch.device(device)
     as_4d = (lambda x: x.to(device)) if mask.layout.dim() == 4 else (lambda x: x.to(device)[None])
     full, partial = as_4d(mask.full_layout), as_4d(mask.partial_layout)  # [B_or_1, H_or_1, n_q, n_kv]
+    factors = tuple(FLEX_BLOCK // side if FLEX_BLOCK % side == 0 else 1 for side in mask.block_size)
+    block_size = tuple(side * factor for side, factor in zip(mask.block_size, factors))
+    if factors != (1, 1):
+        full, computed = _merged(full, factors, torch.all), _merged(full | partial, factors, torch.any)
+        partial = computed & ~full
     if key_lengths is not None:
         key_lengths = key_lengths.to(device)
-        starts = torch.arange(full.shape[-1], device=device) * mask.block_size[1]
+        starts = torch.arange(full.shape[-1], device=device) * block_size[1]
         some = (starts < key_lengths[:, None])[:, None, None, :]  # [B, 1, 1, n_kv]: a key before the end
-        whole = (starts + mask.block_size[1] <= key_lengths[:, None])[:, None, None, :]  # every key before it
+        whole = (starts + block_size[1] <= key_lengths[:, None])[:, None, None, :]  # every key before it
         computed = (full | partial) & some
         full = full & whole
         partial = computed & ~full
     mask_mod = _mask_mod(mask, mask.layout.to(device), key_lengths)
     return FlexBlockMask.from_kv_blocks(
         *layout_to_tables(partial), *layout_to_tables(full),
-        BLOCK_SIZE=mask.block_size, mask_mod=mask_mod, seq_lengths=(mask.q_len, mask.kv_len),
+        BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(mask.q_len, mask.kv_len),
     )
 
 
