@@ -55,6 +55,8 @@ class TritonAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan, key_lengths, score_graph, dropout, *trained):
+        if key_lengths is not None:  # as the kernels read them, once for both passes (an int64 copy: a launch each)
+            key_lengths = plan.key_lengths_arg(key_lengths)
         o, lse = triton_forward(q, k, v, plan, key_lengths, score_graph, dropout)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.plan, ctx.key_lengths, ctx.score_graph, ctx.dropout = plan, key_lengths, score_graph, dropout
