@@ -20,8 +20,9 @@ tests as second opinions; they never import ``reference.py``.
   partial). The compiled kernel evaluates it on partial blocks only, so a mask of full blocks pays
   nothing for it. Mask blocks smaller than 128 (the LRA configs' 64) become 128-blocks, as
   ``create_block_mask``'s default BLOCK_SIZE makes them from the element mask: Flex's kernels take tiles of
-  128 that must divide its blocks (its Triton template fails on 64-blocks with its default tiles). A ``score_mod`` is passed through as it is. ``backend="FLASH"`` runs Flex's FLASH
-  backend, FlashAttention-4 (needs its package, ``flash_attn.cute``). Works with torch 2.6 and later.
+  128 that must divide its blocks (its Triton template fails on 64-blocks with its default tiles). A
+  ``score_mod`` is passed through as it is. ``backend="FLASH"`` runs Flex's FLASH backend,
+  FlashAttention-4 (needs its package, ``flash_attn.cute``). Works with torch 2.6 and later.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from sparseflash.attention.baselines import flex_attention, sdpa_attention, to_f
 from sparseflash.attention.reference import allowed_scores, reference_attention
 from sparseflash.masks import make
 
+
 def _blocks(num: torch.Tensor, idx: torch.Tensor, n_kv: int) -> torch.Tensor:
     """Bool [B, H, n_q, n_kv] of the blocks a Flex table pair lists."""
     listed = torch.arange(idx.shape[-1]) < num[..., None]
@@ -29,7 +30,10 @@ def _kept(flex_mask, batch: int, heads: int, q_len: int, kv_len: int) -> tuple[t
     partial = _blocks(flex_mask.kv_num_blocks, flex_mask.kv_indices, n_kv)
     assert not (full & partial).any()
     full, partial = (x.expand(batch, heads, -1, -1) for x in (full, partial))
-    elements = lambda x: x.repeat_interleave(block_m, -2).repeat_interleave(block_n, -1)[..., :q_len, :kv_len]  # noqa: E731
+
+    def elements(x):
+        return x.repeat_interleave(block_m, -2).repeat_interleave(block_n, -1)[..., :q_len, :kv_len]
+
     b, h = torch.arange(batch)[:, None, None, None], torch.arange(heads)[None, :, None, None]
     q_idx, kv_idx = torch.arange(q_len)[None, None, :, None], torch.arange(kv_len)[None, None, None, :]
     mod = flex_mask.mask_mod(b, h, q_idx, kv_idx).expand(batch, heads, q_len, kv_len)
