@@ -162,19 +162,21 @@ def _scores(s, t, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_
             cut = t >= n_full
             if MASK_KIND == 2 and HAS_KEY_LENGTHS:  # a listed full block may run past the batch's last key
                 cut = cut | (kv_start + BLOCK_N > kv_end)
+            OWN_CUT: gl.constexpr = MASK_MOD is not None or MASK_KIND == 1 or IS_CAUSAL
             if cut:
-                if MASK_MOD is not None:
-                    keep = MASK_MOD(b, h, q_idx, kv_idx, MODS)
-                    if IS_CAUSAL:
-                        keep = keep & (q_idx >= kv_idx)
-                elif MASK_KIND == 1 or IS_CAUSAL:
-                    keep = q_idx >= kv_idx
-                else:  # no cut of its own: the keys up to the batch's end (all of the tile without key_lengths)
+                if OWN_CUT:
+                    if MASK_MOD is not None:
+                        keep = MASK_MOD(b, h, q_idx, kv_idx, MODS)
+                        if IS_CAUSAL:
+                            keep = keep & (q_idx >= kv_idx)
+                    else:
+                        keep = q_idx >= kv_idx
+                    if HAS_KEY_LENGTHS:
+                        keep = keep & (kv_idx < kv_end)
+                else:  # no cut of its own: the keys up to the batch's end (every key of the tile without key_lengths)
                     keep = kv_idx < kv_end
                 if RAGGED_KEYS:  # not a key of the tile before (all but the last tile's are not)
                     keep = keep & (kv_idx >= t * BLOCK_N)
-                if HAS_KEY_LENGTHS:
-                    keep = keep & (kv_idx < kv_end)
                 s = gl.where(keep, s, float("-inf"))
     return s, shift
 
