@@ -381,8 +381,8 @@ class BlockMask:
         dimension), True where a score is kept; ``queries`` (a range of query indices): their rows only,
         so that a long mask can be read a band at a time."""
         block_m, block_n = self.block_size
-        q_idx = torch.arange(*((0, self.q_len) if queries is None else (queries.start, queries.stop)),
-                             device=self.device)
+        queries = range(self.q_len) if queries is None else queries
+        q_idx = torch.arange(queries.start, queries.stop, queries.step, device=self.device)
         dense = self.layout[..., q_idx // block_m, :].repeat_interleave(block_n, -1)[..., : self.kv_len]
         if self.causal or self.mask_mod is not None:
             kv_idx = torch.arange(self.kv_len, device=self.device)[None, :]

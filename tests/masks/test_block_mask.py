@@ -191,6 +191,7 @@ def test_to_dense_of_a_band_of_queries_is_those_rows(random_mask):
     start = torch.randint(0, mask.q_len, ()).item()
     stop = torch.randint(start + 1, mask.q_len + 1, ()).item()
     assert torch.equal(mask.to_dense(range(start, stop)), mask.to_dense()[..., start:stop, :])
+    assert torch.equal(mask.to_dense(range(start, stop, 3)), mask.to_dense()[..., start:stop:3, :])
 
 
 def test_density_is_exact(random_mask):
