@@ -609,8 +609,9 @@ def _unequal_rows(q_len: int, kv_len: int, heads: int):
     ("unequal-rows", 128, 768, 768), ("dense", 128, 700, 700), ("butterfly", 128, 1024, 1024)])
 def test_the_gluon_forward_schedules_rows_of_unequal_lengths(case, dim, q_len, kv_len, monkeypatch):
     """CAUSAL and SPARSE rows of unequal lengths (SCHEDULED): every work item in the schedule once, and no program's
-    key tiles more than the longest item's past the mean (greedy list scheduling's bound); DENSE and SPARSE rows of
-    equal lengths: items pid, pid + programs, ... (no schedule)."""
+    key tiles more than the longest item's past the mean (greedy list scheduling's bound), the schedule one of the
+    plan's tensors (which replays launch with as they are); DENSE and SPARSE rows of equal lengths: items pid,
+    pid + programs, ... (no schedule)."""
     monkeypatch.setattr(forward_gluon, "multiprocessors", lambda device: 5)
     q = torch.randn(2, 4, q_len, dim, dtype=torch.bfloat16)
     k = torch.randn(2, 4, kv_len, dim, dtype=torch.bfloat16)
@@ -631,6 +632,7 @@ def test_the_gluon_forward_schedules_rows_of_unequal_lengths(case, dim, q_len, k
     else:
         tiles = mask.layout.sum(-1).expand(2, 4, -1).flatten()  # 128 x 128 blocks: a key tile a block
     _assert_greedy_schedule(tensors[-3].tolist(), programs, n_items, tiles, forward_gluon.ITEM_COST)
+    assert any(t is tensors[-3] for t in plan.tensors)
 
 
 def _assert_greedy_schedule(schedule: list[int], programs: int, n_items: int, tiles: torch.Tensor, item_cost: float):

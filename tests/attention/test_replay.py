@@ -119,6 +119,92 @@ def test_what_a_replay_cannot_take(case, log):
     assert kept is (None if case in ("aliased", "misaligned") else replay.NOT_REPLAYED)
 
 
+@pytest.fixture
+def graphs(log, monkeypatch):
+    """CUDA graph captures as fakes: a capture logs nothing and keeps the launches it saw; the graph's launch logs
+    ("graph", those launches). Returns the captures made."""
+    captured = []
+
+    def fake_captured(launch_on, device):
+        start = len(log)
+        launch_on(STREAM)
+        launches = tuple(log[start:])
+        del log[start:]
+        captured.append(launches)
+        return SimpleNamespace(replay=lambda: log.append(("graph", launches)))
+
+    monkeypatch.setattr(replay, "_captured", fake_captured)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return captured
+
+
+def test_a_replay_launches_a_graph_on_the_addresses_of_a_call_seen_before(log, graphs):
+    """The first call on some tensors launches one by one; the second on tensors at the same addresses captures
+    their launches as a graph and launches it; later ones launch the graph; tensors elsewhere launch one by one."""
+    (table,), (a, b, out) = _tensors(1), _tensors(3)
+    kept = replay.Replay.of(_recorded(log, (0, (3,), (a, table, out), (64,)), (1, (5,), (out, b), ())),
+                            (a, b, out), (table,))
+    one_by_one = [("direct", (3, 1, 1), (a.data_ptr(), table.data_ptr(), out.data_ptr(), 64, *CONSTEXPRS)),
+                  ("direct", (5, 1, 1), (out.data_ptr(), b.data_ptr(), *CONSTEXPRS))]
+    assert kept((a, b, out)) and log == one_by_one
+    log.clear()
+    assert kept((a, b, out)) and kept((a, b, out))
+    assert graphs == [tuple(one_by_one)] and log == [("graph", tuple(one_by_one))] * 2
+    log.clear()
+    a2 = torch.randn(64)
+    assert kept((a2, b, out)) and [entry[0] for entry in log] == ["direct", "direct"]
+
+
+def test_a_replay_launches_one_by_one_inside_a_callers_capture(log, graphs, monkeypatch):
+    """Where the caller captures a graph of its own (torch.compile's reduce-overhead), the launches go into it."""
+    a, out = _tensors(2)
+    kept = replay.Replay.of(_recorded(log, (0, (3,), (a, out), ())), (a, out), ())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for _ in range(3):
+        assert kept((a, out))
+    assert graphs == [] and [entry[0] for entry in log] == ["direct"] * 3
+
+
+def test_a_replay_keeps_its_latest_graphs_and_stops_capturing_where_they_are_not_reused(log, graphs, monkeypatch):
+    """At most GRAPHS_KEPT graphs, the least recently launched dropped; a replay whose captures outnumber twice what
+    it keeps and whose graphs were launched again fewer times than it captured stops capturing (a model's layers
+    cycling over more address tuples than that would capture on every call)."""
+    monkeypatch.setattr(replay, "GRAPHS_KEPT", 1)
+    out = torch.randn(64)
+    tensors = _tensors(3)
+    kept = replay.Replay.of(_recorded(log, (0, (3,), (tensors[0], out), ())), (tensors[0], out), ())
+    for a in tensors * 2:  # each seen, then each captured, dropping the one before
+        assert kept((a, out))
+    assert len(graphs) == 2 and len(kept._graphs) <= 1  # the third capture stopped: no graph was used again
+    log.clear()
+    for a in tensors * 2:
+        assert kept((a, out))
+    assert len(graphs) == 2 and [entry[0] for entry in log] == ["direct"] * 6
+
+
+def test_a_replay_whose_capture_fails_launches_one_by_one(log, monkeypatch):
+    a, out = _tensors(2)
+    kept = replay.Replay.of(_recorded(log, (0, (3,), (a, out), ())), (a, out), ())
+
+    def failing(launch_on, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(replay, "_captured", failing)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for _ in range(3):
+        assert kept((a, out))
+    assert [entry[0] for entry in log] == ["direct"] * 3
+
+
+def test_graph_replays_can_be_turned_off(log, graphs, monkeypatch):
+    monkeypatch.setenv("SPARSEFLASH_GRAPH_REPLAYS", "0")
+    a, out = _tensors(2)
+    kept = replay.Replay.of(_recorded(log, (0, (3,), (a, out), ())), (a, out), ())
+    for _ in range(3):
+        assert kept((a, out))
+    assert graphs == [] and [entry[0] for entry in log] == ["direct"] * 3
+
+
 def _keep(replays, key, log, settled=True, during=lambda: None):
     a, out = _tensors(2)
     with replays.keep(key, (a, out), ()) as done:
@@ -212,3 +298,54 @@ def test_gpu_replayed_calls_match_the_reference(case, monkeypatch):
     # (a backward replay of the kernels this case runs: the Gluon backward's, or the tuned Triton kernels')
     backward = (16, True, "gluon" if case.endswith("gluon") else "tuned")
     assert (backward in ran) != ("relbias" in case) and (8, True, True) in ran, f"replays tried: {ran}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal-d64-s300", "butterfly-d64-s300-keylen", "causal-d96-s300",
+                                  "dense-d64-s512-gluon", "causal-d128-s1024-gluon-keylen"])
+def test_gpu_graph_replays_read_each_calls_values(case, monkeypatch):
+    """Calls on tensors that stay where they are, their values (and the key lengths') rewritten in place before
+    each, as a training loop's steps: from the third call the replays launch CUDA graphs; each call's outputs
+    against the reference on its own values, and graphs must have been launched. (Dropout's seed, a slot drawn
+    on each call as key lengths are rewritten here, lands at addresses that recur with no period a test can
+    count on.)"""
+    import sparseflash
+    from sparseflash.masks import make
+    from tests.helpers import Outputs, attention_with_grads, check_outputs
+
+    pattern, dim, seq = case.split("-")[0], int(case.split("-")[1][1:]), int(case.split("-")[2][1:])
+    if "gluon" in case:
+        if not launch.gluon_hopper(torch.device("cuda")):
+            pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
+        monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
+    graph_launches, tried = [], []  # (the replay, its slots' addresses, whether it launches graphs) of each try
+    graph_replay, replay_call = torch.cuda.CUDAGraph.replay, replay.Replay.__call__
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: (graph_launches.append(1), graph_replay(self)))
+
+    def traced(self, slots):
+        tried.append((id(self) % 1000, hash(tuple(t.data_ptr() for t in slots)) % 1000, self._graphed))
+        return replay_call(self, slots)
+
+    monkeypatch.setattr(replay.Replay, "__call__", traced)
+    mask = make(pattern, seq, block=64) if pattern == "butterfly" else pattern
+    q, k, v, do = (torch.empty(2, 4, seq, dim, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    key_lengths = torch.empty(2, dtype=torch.int32, device="cuda") if "keylen" in case else None
+    calls = []  # each call's inputs and outputs, on the CPU: the next call's allocations land where this one's did
+    for i in range(6):
+        for x in (q, k, v, do):
+            x.copy_(torch.randn_like(x))
+        if key_lengths is not None:
+            key_lengths.copy_(torch.randint(seq // 2, seq + 1, (2,)))
+        got = attention_with_grads("triton", q, k, v, mask, do, key_lengths)
+        calls.append(([x.cpu() for x in (q, k, v, do)], None if key_lengths is None else key_lengths.cpu(),
+                      Outputs(*(x.cpu() for x in got[:5]))))
+        del got
+        if i == 0:
+            sparseflash.wait_for_compiles()
+    assert graph_launches, f"no CUDA graph was launched; replays tried: {tried}"
+    for i, (inputs, lengths, got) in enumerate(calls):
+        try:
+            check_outputs(Outputs(*(x.cuda() for x in got)), *(x.cuda() for x in inputs[:3]), mask,
+                          inputs[3].cuda(), None if lengths is None else lengths.cuda())
+        except AssertionError as error:
+            raise AssertionError(f"call {i} ({len(graph_launches)} graph launches in all): {error}") from error

@@ -96,8 +96,15 @@ class LaunchPlan:
         self._constexprs: dict[tuple, dict] = {}
         self.per_layout: dict[str, dict] = {}  # what a kernel keeps per input layout, under its own key
         self.replays = {"forward": Replays(), "backward": Replays()}  # settled calls, by layout (replay.py)
-        # the tensors the plan holds for every call: what a replay takes as they are
-        self.tensors = (self.placeholder, *(t for tables, _ in self._tables.values() for t in tables))
+        # the tensors the plan holds for every call (its tables; what a kernel made once for its calls: ``hold``):
+        # what a replay takes as they are
+        self.tensors = [self.placeholder, *(t for tables, _ in self._tables.values() for t in tables)]
+
+    def hold(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, made once for this plan's calls (a work schedule), kept among ``tensors``: the calls that
+        launch with it are replayed."""
+        self.tensors.append(tensor)
+        return tensor
 
     def _mods(self, mask: BlockMask, score_graph: Graph | None) -> None:
         """The helpers generated from the mask's mask_mod (only where some tile needs it evaluated) and

@@ -12,6 +12,11 @@ own tensors; a TMA descriptor (the Gluon kernels') over one of those tensors is 
 tensor of the call it kept) and rebuilt over the later call's (its shape, strides and box are the layout's). A call
 that launched with any other tensor (a copy made on the call) or did more than launch kernels is not kept; the
 caller sees to the second (``keep``'s ``settled``).
+
+A replay called again on tensors at the same addresses (a training loop's steps, whose allocations repeat) launches
+them as one CUDA graph, captured on the second call of those addresses: one graph launch in place of the Python
+that built each launch's arguments and of Triton's launcher (the Gluon kernels' TMA descriptors encoded on every
+launch); ``SPARSEFLASH_GRAPH_REPLAYS=0`` turns that off.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import contextlib
 import copy
 import functools
 import operator
+import os
+from collections import OrderedDict
 from typing import Iterator
 
 import torch
@@ -30,6 +37,10 @@ from sparseflash.attention.triton.launch import current_device, current_stream, 
 # kept for a layout whose calls launch what a replay cannot take (a copy made on the call, a tensor of neither the
 # call nor the plan, a launch through Triton's interpreter)
 NOT_REPLAYED = False
+# CUDA graphs a replay keeps, one per tuple of its slots' addresses, the least recently launched dropped first: the
+# layers of a model that share a plan each call it on tensors of their own
+GRAPHS_KEPT = 64
+SEEN_KEPT = 4 * GRAPHS_KEPT  # address tuples remembered from one call (the second call of one captures its graph)
 
 
 class Replay:
@@ -43,7 +54,13 @@ class Replay:
         self._constants = constants  # (kept alive: their addresses are in the steps)
         self._constant_addresses = [t.data_ptr() for t in constants]
         self._device = current_device()  # the device the kernels were loaded on
-        self.outcome = outcome  # what the kept call reported (``Replays.keep``'s settled), for the caller
+        self.outcome = outcome  # what the kept call reported (``Replays.keep``'s settled): the backward it ran
+        self._graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()  # by the slots' addresses
+        self._seen: OrderedDict[tuple, None] = OrderedDict()
+        self._captures = self._graph_hits = 0  # graphs captured; calls that launched a graph captured before
+        # not where a kernel takes global scratch: Triton's allocator would allocate it inside the capture
+        self._graphed = os.environ.get("SPARSEFLASH_GRAPH_REPLAYS", "1") != "0" and all(
+            step[0].scratch is None for step in steps)
 
     @classmethod
     def of(cls, launches: list, slots: tuple[torch.Tensor, ...], constants: tuple[torch.Tensor, ...], outcome=True):
@@ -79,12 +96,19 @@ class Replay:
         """Launch the kept launches on ``slots``: True; False (nothing launched) where a slot is not 16-byte
         aligned, another device is the current one, or Triton's launch hooks are set (a profiler's: a launch
         through Triton calls them)."""
-        addresses = [t.data_ptr() for t in slots]
+        addresses = tuple(t.data_ptr() for t in slots)
         device = current_device()
         if functools.reduce(operator.or_, addresses) % 16 or device != self._device or launch_hooks_set():
             return False
-        addresses += self._constant_addresses
-        stream = current_stream(device)
+        graph = self._graph(addresses, slots) if self._graphed else None
+        if graph is not None:
+            graph.replay()
+        else:
+            self._launch(addresses, slots, current_stream(device))
+        return True
+
+    def _launch(self, addresses: tuple, slots: tuple, stream: int) -> None:
+        addresses = (*addresses, *self._constant_addresses)
         for compiled, grid, indices, scalars, descriptors in self._steps:
             arguments = [addresses[i] for i in indices]
             for places, i, descriptor in descriptors:
@@ -92,7 +116,57 @@ class Replay:
                 for place in places:
                     arguments[place] = rebased
             compiled.launch(grid, stream, arguments, scalars)
-        return True
+
+    def _graph(self, addresses: tuple, slots: tuple) -> torch.cuda.CUDAGraph | None:
+        """The CUDA graph of the launches on tensors at ``addresses``: kept, or captured now where a call on them
+        was seen before; None where the launches are to be made one by one (a first call on these addresses, a
+        caller's capture in progress, which records them, or a replay that stopped capturing)."""
+        graph = self._graphs.get(addresses)
+        if graph is None and addresses not in self._seen:
+            self._seen[addresses] = None
+            if len(self._seen) > SEEN_KEPT:
+                self._seen.popitem(last=False)
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        if graph is not None:
+            self._graphs.move_to_end(addresses)
+            self._graph_hits += 1
+            return graph
+        if self._captures >= 2 * GRAPHS_KEPT and self._graph_hits < self._captures:
+            self._graphed = False  # more address tuples recur than it keeps graphs of: captures are not repaid
+            return None
+        try:
+            graph = _captured(lambda stream: self._launch(addresses, slots, stream), self._device)
+        except RuntimeError:
+            self._graphed = False  # a launch a capture does not take: one by one from now on (they report errors)
+            return None
+        self._captures += 1
+        del self._seen[addresses]
+        self._graphs[addresses] = graph
+        if len(self._graphs) > GRAPHS_KEPT:
+            self._graphs.popitem(last=False)
+        return graph
+
+
+def _captured(launch, device: int) -> torch.cuda.CUDAGraph:
+    """The CUDA graph of what ``launch(stream)`` launches on ``stream``, captured on a side stream of ``device`` (a
+    capture cannot take the legacy default stream), launching nothing."""
+    graph, side = torch.cuda.CUDAGraph(), _capture_stream(device)
+    with torch.cuda.stream(side):
+        # (thread_local: another thread's CUDA calls meanwhile, as the caller's while autograd's device thread
+        # runs a backward, do not invalidate the capture)
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            launch(side.cuda_stream)
+        finally:
+            graph.capture_end()
+    return graph
+
+
+@functools.lru_cache(maxsize=None)
+def _capture_stream(device: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 def _rebased(descriptor, base: torch.Tensor | None):
@@ -108,7 +182,8 @@ class Replays:
     """A plan's replays of one kind of call (forward or backward), by layout key: ``replays.get(key)`` is the
     replay to launch, if kept under the current tuning choices; ``with replays.keep(key, slots, constants) as
     settled:`` records the launches of the block and keeps them where the block sets ``settled[0]`` (to a true
-    value, which the replay keeps as its ``outcome``)."""
+    value, which the replay keeps as its ``outcome``); ``constants`` (the plan's ``tensors``) is read after the
+    block, which may add to it."""
 
     def __init__(self):
         self._kept: dict[tuple, tuple[int, Replay | bool]] = {}

@@ -71,12 +71,13 @@ def kept_schedule(plan, name: str, programs: int, item_tiles: Callable[[], torch
                   item_cost: float) -> torch.Tensor | None:
     """The ``greedy_schedule`` of ``item_tiles()`` for ``programs`` programs, or None where that is None (items of
     equal lengths): made once and kept in the plan's ``per_layout[name]`` by programs (made outside CUDA graph
-    pools, ``kept_tensors``)."""
+    pools, ``kept_tensors``) and among its ``tensors`` (``LaunchPlan.hold``: replays launch with it)."""
     kept = plan.per_layout.setdefault(name, {})
     if programs not in kept:
         def made() -> torch.Tensor | None:
             tiles = item_tiles()
-            return None if tiles is None else greedy_schedule(tiles, programs, item_cost, plan.placeholder.device)
+            return None if tiles is None else plan.hold(greedy_schedule(tiles, programs, item_cost,
+                                                                        plan.placeholder.device))
 
         kept[programs] = made_outside_graph_pools(made, plan.placeholder.device)
     return kept[programs]
