@@ -55,9 +55,9 @@ from sparseflash.attention.triton.tuning import KernelConfig, fit, planned, run_
 
 
 @triton.jit(do_not_specialize=["q_len"])
-def _bwd_preprocess(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_oh, stride_om, stride_od,
+def _bwd_preprocess(O, DO, LSE, DLSE, DELTA, LSE2, DQ_ACC, stride_ob, stride_oh, stride_om, stride_od,
                     stride_dob, stride_doh, stride_dom, stride_dod, heads, q_len, stats_stride, head_dim,
-                    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+                    HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     bh = tl.program_id(1)
     b = bh // heads
     h = bh % heads
@@ -75,6 +75,10 @@ def _bwd_preprocess(O, DO, LSE, DLSE, DELTA, LSE2, stride_ob, stride_oh, stride_
     lse = tl.load(LSE + bh * q_len + offs_m, mask=offs_m < q_len, other=0.0)
     tl.store(LSE2 + bh * stats_stride + offs_m, tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634,
              mask=offs_m < q_len)
+    if ZERO_DQ:  # the Gluon backward's fp32 dQ accumulator (B * H * q_len, head_dim), which it adds into
+        rows = (bh * q_len + offs_m).to(tl.int64)
+        tl.store(DQ_ACC + rows[:, None] * head_dim + offs_d[None, :], tl.zeros([BLOCK_M, HEAD_DIM], tl.float32),
+                 mask=in_bounds)
 
 
 @triton.jit
@@ -565,14 +569,17 @@ def query_rows(cfg: KernelConfig, programs: int) -> bool:
     return programs != 2 and cfg.block_n > cfg.block_m
 
 
-def _preprocess(plan: LaunchPlan, o, do, lse, dlse, delta, lse2, stats_stride: int, ahead: bool = False) -> None:
-    """Launch the preprocess (``ahead``: only compile it; every tensor but dlse may be a ``Standin``)."""
+def _preprocess(plan: LaunchPlan, o, do, lse, dlse, delta, lse2, stats_stride: int, dq_acc=None,
+                ahead: bool = False) -> None:
+    """Launch the preprocess, which also zeroes ``dq_acc``, the Gluon backward's dQ accumulator, where given (one
+    torch op less a call, and the launch is replayed with the call's others); ``ahead``: only compile it (every
+    tensor but dlse may be a ``Standin``)."""
     has_dlse = dlse is not None
     (PREPROCESS.compile_ahead if ahead else PREPROCESS)(
         (cdiv(plan.q_len, PREPROCESS_BLOCK_M), plan.batch * plan.heads),
-        (o, do, lse, dlse.contiguous() if has_dlse else lse, delta, lse2),
+        (o, do, lse, dlse.contiguous() if has_dlse else lse, delta, lse2, lse if dq_acc is None else dq_acc),
         (*o.stride(), *do.stride(), plan.heads, plan.q_len, stats_stride, plan.head_dim),
-        dict(HAS_DLSE=has_dlse, BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM=plan.padded_dim))
+        dict(HAS_DLSE=has_dlse, ZERO_DQ=dq_acc is not None, BLOCK_M=PREPROCESS_BLOCK_M, HEAD_DIM=plan.padded_dim))
 
 
 def _launcher(plan: LaunchPlan, programs: int, q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, mods, stats_stride,
@@ -641,24 +648,20 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
               None if dlse is None else dlse.stride(), deterministic, *dropout_args[1:])
     replays, adds_grads = plan.replays["backward"], any(g is not None for g in grads)
     replay = None if adds_grads else replays.get(layout)
-    if replay is not None and replay(slots):
-        ran = replay.outcome
-    else:
+    if replay is None or not replay(slots):
         with replays.keep(layout, slots, plan.tensors) as settled:
             ran = _launch(plan, q, k, v, o, lse, do, dlse, key_lengths, delta, lse2, dq, dk, dv, grads, mods,
                           stats_stride, dropout_args, gluon, dq_acc)
             settled[0] = None if adds_grads else ran
-    if ran == "gluon":
-        gluon.finish(plan, dq_acc, dq)
     return dq, dk, dv, grads
 
 
 def _launch(plan, q, k, v, o, lse, do, dlse, key_lengths, delta, lse2, dq, dk, dv, grads, mods, stats_stride,
             dropout_args, gluon, dq_acc) -> str | None:
-    """Launch the backward into delta, lse2, dq (or, where the Gluon backward ``gluon`` runs, ``dq_acc``), dk, dv
-    and grads: "tuned" where the tuned Triton kernels ran, "gluon" where the Gluon backward did (dq is then to be
-    made of dq_acc), None where kernels standing in for one compiling ahead did."""
-    _preprocess(plan, o, do, lse, dlse, delta, lse2, stats_stride)
+    """Launch the backward into delta, lse2, dq (where the Gluon backward ``gluon`` runs, through ``dq_acc``), dk,
+    dv and grads: "tuned" where the tuned Triton kernels ran, "gluon" where the Gluon backward did, None where
+    kernels standing in for one compiling ahead did."""
+    _preprocess(plan, o, do, lse, dlse, delta, lse2, stats_stride, None if gluon is None else dq_acc)
 
     def launcher(programs: int):
         return _launcher(plan, programs, q, k, v, do, lse2, delta, dq, dk, dv, key_lengths, mods, stats_stride,
@@ -680,6 +683,7 @@ def _launch(plan, q, k, v, o, lse, do, dlse, key_lengths, delta, lse2, dq, dk, d
                     lambda _: gluon.compiling(plan, q, k, v, do, key_lengths, mods, stats_stride)):
             return None
         if gluon.launch(plan, q, k, v, do, lse2, delta, dq_acc, dk, dv, key_lengths, mods, stats_stride):
+            gluon.finish(plan, dq_acc, dq)
             return "gluon"
     kernels = _kernels(plan)
     if kernels is FUSED and stood_in("backward_stand_in",
@@ -698,7 +702,10 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
     stats_stride = _stats_stride(plan)
     out = Standin(q.dtype, q.shape)  # o, do and dq
     stats = Standin(torch.float32, (plan.batch * plan.heads, stats_stride))
-    _preprocess(plan, out, out, Standin(torch.float32, q.shape[:3]), None, stats, stats, stats_stride, ahead=True)
+    gluon = gluon_kernels("backward") if plan.gluon_backward else None
+    dq_acc = None if gluon is None else Standin(torch.float32, (plan.batch * plan.heads * plan.q_len, q.shape[3]))
+    _preprocess(plan, out, out, Standin(torch.float32, q.shape[:3]), None, stats, stats, stats_stride, dq_acc,
+                ahead=True)
     mods = plan.mods_table(list(captures))
     stand_ins = usable_cpus() >= STAND_IN_FROM_CPUS
 
@@ -712,7 +719,6 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
         plan.per_layout.setdefault(state, {})["stand_in"] = halves
 
     kernels = _kernels(plan)
-    gluon = gluon_kernels("backward") if plan.gluon_backward else None
     if gluon is not None and gluon.compile_ahead(plan, q, k, v, key_lengths, mods, stats, stats_stride):
         # (without them, a new function's first backward waited for the Gluon backward's compile: on an H100 host
         # 1.0-1.2 s at head dim 64, 0.5-0.8 s at 128)

@@ -886,9 +886,10 @@ def _constexprs(mask_kind: int, ragged: bool, causal: bool, sparse_block: tuple[
 
 
 def accumulator(plan, q: torch.Tensor) -> torch.Tensor:
-    """dQ's fp32 accumulator (B * H * q_len, head dim), zeroed: ``launch`` adds dQ into it, ``finish`` makes dq of
-    it. The caller makes it, so that the launches read only the call's tensors (``replay.py``)."""
-    return torch.zeros(plan.batch * plan.heads * plan.q_len, q.shape[3], dtype=torch.float32, device=q.device)
+    """dQ's fp32 accumulator (B * H * q_len, head dim), not zeroed (the preprocess zeroes it: ``backward._preprocess``):
+    ``launch`` adds dQ into it, ``finish`` makes dq of it. The caller makes it, so that the launches read only the
+    call's tensors (``replay.py``)."""
+    return torch.empty(plan.batch * plan.heads * plan.q_len, q.shape[3], dtype=torch.float32, device=q.device)
 
 
 def launch(plan, q, k, v, do, lse2, delta, dq_acc, dk, dv, key_lengths: torch.Tensor, mods: torch.Tensor,
@@ -911,17 +912,34 @@ def launch(plan, q, k, v, do, lse2, delta, dq_acc, dk, dv, key_lengths: torch.Te
     return True
 
 
-def finish(plan, dq_acc: torch.Tensor, dq: torch.Tensor) -> None:
-    """dq (contiguous, q's dtype) from the accumulator a ``launch`` added dQ into."""
-    torch.mul(dq_acc.view(dq.shape), plan.scale, out=dq)
+@triton.jit
+def _dq_of_accumulator(DQ_ACC, DQ, n, scale, BLOCK: tl.constexpr):
+    """dq = scale * dQ's fp32 accumulator, in dq's dtype; both contiguous, ``n`` elements."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(DQ + offs, (tl.load(DQ_ACC + offs, mask=offs < n) * scale).to(DQ.dtype.element_ty), mask=offs < n)
+
+
+FINISH = Launcher(_dq_of_accumulator)
+FINISH_BLOCK = 4096  # elements a program converts
+
+
+def finish(plan, dq_acc: torch.Tensor, dq: torch.Tensor, ahead: bool = False) -> None:
+    """Launch the kernel that makes dq (contiguous, q's dtype) of the accumulator a ``launch`` added dQ into (a
+    kernel, not a torch op: replays launch it with the call's others; ``ahead``: only compile it, ``Standin``s)."""
+    n = plan.batch * plan.heads * plan.q_len * dq.shape[3]
+    (FINISH.compile_ahead if ahead else FINISH)((cdiv(n, FINISH_BLOCK),), (dq_acc, dq), (n, plan.scale),
+                                                dict(BLOCK=FINISH_BLOCK))
 
 
 def compile_ahead(plan, q, k, v, key_lengths: torch.Tensor, mods: torch.Tensor, stats: Standin,
                   stats_stride: int) -> bool:
     """Start compiling the kernel ``launch`` will run after a forward on q, k, v; False where it will not."""
     out = Standin(q.dtype, q.shape)
-    return launch(plan, q, k, v, out, stats, stats, _small_accumulator(q), Standin(k.dtype, k.shape),
-                  Standin(v.dtype, v.shape), key_lengths, mods, stats_stride, ahead=True)
+    if not launch(plan, q, k, v, out, stats, stats, _small_accumulator(q), Standin(k.dtype, k.shape),
+                  Standin(v.dtype, v.shape), key_lengths, mods, stats_stride, ahead=True):
+        return False
+    finish(plan, Standin(torch.float32, (plan.batch * plan.heads * plan.q_len, q.shape[3])), out, ahead=True)
+    return True
 
 
 def compiling(plan, q, k, v, do, key_lengths: torch.Tensor, mods: torch.Tensor, stats_stride: int) -> bool:
