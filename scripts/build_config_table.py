@@ -10,16 +10,19 @@ a config a few per cent faster (7 % once on an H100 backward): ``--passes 3`` tu
 three independent passes (each with its own disk cache) and keeps, per key, the config most passes
 chose.
 
-The shapes are the benchmark's: bf16, 16k tokens (batch = tokens // S), hidden 2048, 128 x 128
-mask blocks; dense, causal, butterfly, a 2-block local window, random 25 %, a causal token window
-and causal written as mask_mods, and causal with ALiBi and with tanh soft-capping (score_mods: the
-cheap and the costly kind), at every ``--seq-lens`` and ``--head-dims``; then decoding (the split-KV
-forward of forward_decode.py): ``DECODE_SHAPES`` query rows against long dense caches, GQA 4 query heads
-per K/V head, forward only:
+The shapes are the benchmark's: bf16, 16k tokens (batch = tokens // S), hidden 2048, 128 x 128 mask
+blocks (``--block 64``: the LRA configs' blocks, keys of their own); dense, causal, butterfly, a
+2-block local window, random 25 %, a causal token window and causal written as mask_mods, and causal
+with ALiBi and with tanh soft-capping (score_mods: the cheap and the costly kind), at every
+``--seq-lens`` and ``--head-dims``; then decoding (the split-KV forward of forward_decode.py):
+``DECODE_SHAPES`` query rows against long dense caches, GQA 4 query heads per K/V head, forward
+only:
   python scripts/build_config_table.py
   python scripts/build_config_table.py --head-dims 64 --out /tmp/table.json
   python scripts/build_config_table.py --passes 3
   python scripts/build_config_table.py --decode-only --passes 3   # add or renew the decoding entries
+  python scripts/build_config_table.py --block 64 --head-dims 64 --hidden 512 --tokens 65536 --no-decode \
+      --seq-lens 1024 2048 4096 --patterns dense butterfly local random   # the LRA models' shapes
 """
 
 from __future__ import annotations
@@ -66,11 +69,11 @@ def run_decode(q_len: int, kv_len: int, batch: int, head_dim: int, hidden: int) 
     return launched
 
 
-def run_shape(seq_len: int, head_dim: int, label: str, tokens: int, hidden: int) -> list[tuning.Launched]:
-    """Forward and backward once on one shape; the launches they made."""
+def run_shape(seq_len: int, head_dim: int, label: str, tokens: int, hidden: int, block: int) -> list[tuning.Launched]:
+    """Forward and backward once on one shape (``block``: the mask's block size); the launches they made."""
     name, params, score_mod_name = PATTERNS[label]
     batch, heads = max(1, tokens // seq_len), hidden // head_dim
-    mask = masks.make(name, seq_len, block=128, device="cuda", **params)
+    mask = masks.make(name, seq_len, block=block, device="cuda", **params)
     score_mod = make_score_mod(score_mod_name, heads) if score_mod_name else None
     if isinstance(score_mod, torch.nn.Module):  # ALiBi's slopes: a buffer
         score_mod = score_mod.to("cuda")
@@ -113,6 +116,7 @@ def main() -> None:
     parser.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=list(PATTERNS))
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--block", type=int, default=128, help="the masks' block size")
     parser.add_argument("--out", type=Path, default=tuning.TABLE_PATH)
     parser.add_argument("--passes", type=int, default=1, help="independent tuning passes per shape (majority vote)")
     decode = parser.add_mutually_exclusive_group()
@@ -128,7 +132,7 @@ def main() -> None:
             "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
     cache_root = str(launch.cache_root())
     shapes = [(f"hd{head_dim} S={seq_len} {label}", functools.partial(run_shape, seq_len, head_dim, label,
-                                                                       args.tokens, args.hidden))
+                                                                       args.tokens, args.hidden, args.block))
               for head_dim in args.head_dims for seq_len in args.seq_lens for label in args.patterns
               if not args.decode_only]
     if not args.no_decode:
