@@ -165,17 +165,33 @@ def test_a_replay_launches_one_by_one_inside_a_callers_capture(log, graphs, monk
     assert graphs == [] and [entry[0] for entry in log] == ["direct"] * 3
 
 
-def test_a_replay_keeps_its_latest_graphs_and_stops_capturing_where_they_are_not_reused(log, graphs, monkeypatch):
-    """At most GRAPHS_KEPT graphs, the least recently launched dropped; a replay whose captures outnumber twice what
-    it keeps and whose graphs were launched again fewer times than it captured stops capturing (a model's layers
-    cycling over more address tuples than that would capture on every call)."""
+def test_a_replay_keeps_its_latest_graphs(log, graphs, monkeypatch):
+    """At most GRAPHS_KEPT graphs: the least recently launched is dropped (its tensors' next calls are seen anew)."""
+    monkeypatch.setattr(replay, "GRAPHS_KEPT", 2)
+    out = torch.randn(64)
+    a, b, c = _tensors(3)
+    kept = replay.Replay.of(_recorded(log, (0, (3,), (a, out), ())), (a, out), ())
+    for x in (a, b, a, b, a, c, c):  # a and b captured, a launched again (b the least recent), c captured: b dropped
+        assert kept((x, out))
+    assert len(graphs) == 3 and [entry[0] for entry in log] == ["direct", "direct", "graph", "graph", "graph",
+                                                                 "direct", "graph"]
+    log.clear()
+    for x in (a, b):
+        assert kept((x, out))
+    assert [entry[0] for entry in log] == ["graph", "direct"] and len(graphs) == 3
+
+
+def test_a_replay_stops_capturing_where_its_graphs_are_not_launched_again(log, graphs, monkeypatch):
+    """A replay whose captures reach twice GRAPHS_KEPT while its graphs were launched again fewer times than it
+    captured stops capturing: a model's layers cycling over more address tuples than it keeps would capture on
+    every other call."""
     monkeypatch.setattr(replay, "GRAPHS_KEPT", 1)
     out = torch.randn(64)
     tensors = _tensors(3)
     kept = replay.Replay.of(_recorded(log, (0, (3,), (tensors[0], out), ())), (tensors[0], out), ())
-    for a in tensors * 2:  # each seen, then each captured, dropping the one before
+    for a in tensors * 2:  # each seen, then each captured, dropping the one before: none launched again
         assert kept((a, out))
-    assert len(graphs) == 2 and len(kept._graphs) <= 1  # the third capture stopped: no graph was used again
+    assert len(graphs) == 2  # the third capture was not made
     log.clear()
     for a in tensors * 2:
         assert kept((a, out))
@@ -183,17 +199,21 @@ def test_a_replay_keeps_its_latest_graphs_and_stops_capturing_where_they_are_not
 
 
 def test_a_replay_whose_capture_fails_launches_one_by_one(log, monkeypatch):
+    """A failed capture is tried once: the replay warns and launches one by one from then on."""
     a, out = _tensors(2)
     kept = replay.Replay.of(_recorded(log, (0, (3,), (a, out), ())), (a, out), ())
+    attempts = []
 
     def failing(launch_on, device):
+        attempts.append(device)
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(replay, "_captured", failing)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    for _ in range(3):
-        assert kept((a, out))
-    assert [entry[0] for entry in log] == ["direct"] * 3
+    with pytest.warns(RuntimeWarning, match="one by one"):
+        for _ in range(4):
+            assert kept((a, out))
+    assert attempts == [0] and [entry[0] for entry in log] == ["direct"] * 4
 
 
 def test_graph_replays_can_be_turned_off(log, graphs, monkeypatch):
@@ -306,7 +326,8 @@ def test_gpu_replayed_calls_match_the_reference(case, monkeypatch):
 def test_gpu_graph_replays_read_each_calls_values(case, monkeypatch):
     """Calls on tensors that stay where they are, their values (and the key lengths') rewritten in place before
     each, as a training loop's steps: from the third call the replays launch CUDA graphs; each call's outputs
-    against the reference on its own values, and graphs must have been launched. (Dropout's seed, a slot drawn
+    against the reference on its own values, and graphs of the forward and of the backward (the Gluon one where the
+    case says so, its dQ accumulator zeroed and converted in the graph) must have been launched. (Dropout's seed, a slot drawn
     on each call as key lengths are rewritten here, lands at addresses that recur with no period a test can
     count on.)"""
     import sparseflash
@@ -318,13 +339,15 @@ def test_gpu_graph_replays_read_each_calls_values(case, monkeypatch):
         if not launch.gluon_hopper(torch.device("cuda")):
             pytest.skip("the Gluon kernels run on Hopper GPUs with Triton >= 3.6")
         monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
-    graph_launches, tried = [], []  # (the replay, its slots' addresses, whether it launches graphs) of each try
+    graph_launches, tried = [], []  # (slots, the kept call's outcome, whether a graph was launched) of each try
     graph_replay, replay_call = torch.cuda.CUDAGraph.replay, replay.Replay.__call__
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: (graph_launches.append(1), graph_replay(self)))
 
     def traced(self, slots):
-        tried.append((id(self) % 1000, hash(tuple(t.data_ptr() for t in slots)) % 1000, self._graphed))
-        return replay_call(self, slots)
+        before = len(graph_launches)
+        result = replay_call(self, slots)
+        tried.append((len(slots), self.outcome, len(graph_launches) > before))  # (slots: 8 forward, 16 backward)
+        return result
 
     monkeypatch.setattr(replay.Replay, "__call__", traced)
     mask = make(pattern, seq, block=64) if pattern == "butterfly" else pattern
@@ -342,7 +365,8 @@ def test_gpu_graph_replays_read_each_calls_values(case, monkeypatch):
         del got
         if i == 0:
             sparseflash.wait_for_compiles()
-    assert graph_launches, f"no CUDA graph was launched; replays tried: {tried}"
+    backward = (16, "gluon" if "gluon" in case else "tuned", True)  # a graph of the backward this case runs
+    assert (8, True, True) in tried and backward in tried, f"replays tried: {tried}"
     for i, (inputs, lengths, got) in enumerate(calls):
         try:
             check_outputs(Outputs(*(x.cuda() for x in got)), *(x.cuda() for x in inputs[:3]), mask,

@@ -26,6 +26,8 @@ import copy
 import functools
 import operator
 import os
+import threading
+import warnings
 from collections import OrderedDict
 from typing import Iterator
 
@@ -38,8 +40,9 @@ from sparseflash.attention.triton.launch import current_device, current_stream, 
 # call nor the plan, a launch through Triton's interpreter)
 NOT_REPLAYED = False
 # CUDA graphs a replay keeps, one per tuple of its slots' addresses, the least recently launched dropped first: the
-# layers of a model that share a plan each call it on tensors of their own
-GRAPHS_KEPT = 64
+# layers of a model that share a plan (up to this many) each call it on tensors of their own. A graph of a few kernel
+# launches holds none of the calls' memory (the replay allocates nothing inside its capture), a few KB of the driver's.
+GRAPHS_KEPT = 256
 SEEN_KEPT = 4 * GRAPHS_KEPT  # address tuples remembered from one call (the second call of one captures its graph)
 
 
@@ -121,46 +124,60 @@ class Replay:
         """The CUDA graph of the launches on tensors at ``addresses``: kept, or captured now where a call on them
         was seen before; None where the launches are to be made one by one (a first call on these addresses, a
         caller's capture in progress, which records them, or a replay that stopped capturing)."""
-        graph = self._graphs.get(addresses)
-        if graph is None and addresses not in self._seen:
-            self._seen[addresses] = None
-            if len(self._seen) > SEEN_KEPT:
-                self._seen.popitem(last=False)
-            return None
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        if graph is not None:
-            self._graphs.move_to_end(addresses)
-            self._graph_hits += 1
+        with _GRAPHS_LOCK:  # (two threads' calls: one capture at a time on the side stream, and whole bookkeeping)
+            graph = self._graphs.get(addresses)
+            if graph is None and addresses not in self._seen:
+                self._seen[addresses] = None
+                if len(self._seen) > SEEN_KEPT:
+                    self._seen.popitem(last=False)
+                return None
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            if graph is not None:
+                self._graphs.move_to_end(addresses)
+                self._graph_hits += 1
+                return graph
+            if self._captures >= 2 * GRAPHS_KEPT and self._graph_hits < self._captures:
+                self._graphed = False  # more address tuples recur than it keeps graphs of: captures are not repaid
+                return None
+            try:
+                graph = _captured(lambda stream: self._launch(addresses, slots, stream), self._device)
+            except RuntimeError as error:
+                self._graphed = False  # one by one from now on (a launch's own error then reaches the caller)
+                warnings.warn(f"sparseflash: capturing a replay's kernels as a CUDA graph failed ({error}); its "
+                              "calls launch them one by one", RuntimeWarning, stacklevel=2)
+                return None
+            self._captures += 1
+            del self._seen[addresses]
+            self._graphs[addresses] = graph
+            if len(self._graphs) > GRAPHS_KEPT:
+                self._graphs.popitem(last=False)
             return graph
-        if self._captures >= 2 * GRAPHS_KEPT and self._graph_hits < self._captures:
-            self._graphed = False  # more address tuples recur than it keeps graphs of: captures are not repaid
-            return None
-        try:
-            graph = _captured(lambda stream: self._launch(addresses, slots, stream), self._device)
-        except RuntimeError:
-            self._graphed = False  # a launch a capture does not take: one by one from now on (they report errors)
-            return None
-        self._captures += 1
-        del self._seen[addresses]
-        self._graphs[addresses] = graph
-        if len(self._graphs) > GRAPHS_KEPT:
-            self._graphs.popitem(last=False)
-        return graph
+
+
+_GRAPHS_LOCK = threading.Lock()
 
 
 def _captured(launch, device: int) -> torch.cuda.CUDAGraph:
     """The CUDA graph of what ``launch(stream)`` launches on ``stream``, captured on a side stream of ``device`` (a
     capture cannot take the legacy default stream), launching nothing."""
-    graph, side = torch.cuda.CUDAGraph(), _capture_stream(device)
+    graph, side, pool = torch.cuda.CUDAGraph(), _capture_stream(device), torch.cuda.graph_pool_handle()
     with torch.cuda.stream(side):
-        # (thread_local: another thread's CUDA calls meanwhile, as the caller's while autograd's device thread
-        # runs a backward, do not invalidate the capture)
-        graph.capture_begin(capture_error_mode="thread_local")
         try:
-            launch(side.cuda_stream)
-        finally:
-            graph.capture_end()
+            # (thread_local: another thread's CUDA calls meanwhile, as the caller's while autograd's device thread
+            # runs a backward, do not invalidate the capture)
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                launch(side.cuda_stream)
+            finally:
+                graph.capture_end()
+        except RuntimeError:
+            # torch's capture_begin has the allocator route the capture's allocations to the pool before the capture
+            # starts, and capture_end ends that only after a capture that ended: a failed one would leave the
+            # allocator believing a capture is under way (empty_cache refuses, out-of-memory frees no cached block)
+            with contextlib.suppress(RuntimeError, AttributeError):  # (ended already: torch says so)
+                torch._C._cuda_endAllocateToPool(device, pool)
+            raise
     return graph
 
 
