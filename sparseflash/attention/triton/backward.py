@@ -704,7 +704,7 @@ def compile_backward_ahead(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan,
     stats = Standin(torch.float32, (plan.batch * plan.heads, stats_stride))
     deterministic = torch.are_deterministic_algorithms_enabled()  # (the Triton backward then: as attention_backward)
     gluon = gluon_kernels("backward") if plan.gluon_backward and not deterministic else None
-    dq_acc = None if gluon is None else Standin(torch.float32, (plan.batch * plan.heads * plan.q_len, q.shape[3]))
+    dq_acc = None if gluon is None else gluon.accumulator(plan, q, ahead=True)
     _preprocess(plan, out, out, Standin(torch.float32, q.shape[:3]), None, stats, stats, stats_stride, dq_acc,
                 ahead=True)
     mods = plan.mods_table(list(captures))

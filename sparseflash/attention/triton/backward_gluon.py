@@ -885,11 +885,12 @@ def _constexprs(mask_kind: int, ragged: bool, causal: bool, sparse_block: tuple[
                 **dict(zip(("DO_STAGES", "DQ_BUFFERS"), WIDE_BUFFERS.get(sum(parts), ()))))
 
 
-def accumulator(plan, q: torch.Tensor) -> torch.Tensor:
+def accumulator(plan, q: torch.Tensor, ahead: bool = False) -> torch.Tensor | Standin:
     """dQ's fp32 accumulator (B * H * q_len, head dim), not zeroed (the preprocess zeroes it: ``backward._preprocess``):
     ``launch`` adds dQ into it, ``finish`` makes dq of it. The caller makes it, so that the launches read only the
-    call's tensors (``replay.py``)."""
-    return torch.empty(plan.batch * plan.heads * plan.q_len, q.shape[3], dtype=torch.float32, device=q.device)
+    call's tensors (``replay.py``); ``ahead``: a ``Standin`` of it, for compiling ahead."""
+    shape = (plan.batch * plan.heads * plan.q_len, q.shape[3])
+    return Standin(torch.float32, shape) if ahead else torch.empty(shape, dtype=torch.float32, device=q.device)
 
 
 def launch(plan, q, k, v, do, lse2, delta, dq_acc, dk, dv, key_lengths: torch.Tensor, mods: torch.Tensor,
@@ -926,7 +927,7 @@ FINISH_BLOCK = 4096  # elements a program converts
 def finish(plan, dq_acc: torch.Tensor, dq: torch.Tensor, ahead: bool = False) -> None:
     """Launch the kernel that makes dq (contiguous, q's dtype) of the accumulator a ``launch`` added dQ into (a
     kernel, not a torch op: replays launch it with the call's others; ``ahead``: only compile it, ``Standin``s)."""
-    n = plan.batch * plan.heads * plan.q_len * dq.shape[3]
+    n = math.prod(dq_acc.shape)
     (FINISH.compile_ahead if ahead else FINISH)((cdiv(n, FINISH_BLOCK),), (dq_acc, dq), (n, plan.scale),
                                                 dict(BLOCK=FINISH_BLOCK))
 
@@ -938,7 +939,7 @@ def compile_ahead(plan, q, k, v, key_lengths: torch.Tensor, mods: torch.Tensor, 
     if not launch(plan, q, k, v, out, stats, stats, _small_accumulator(q), Standin(k.dtype, k.shape),
                   Standin(v.dtype, v.shape), key_lengths, mods, stats_stride, ahead=True):
         return False
-    finish(plan, Standin(torch.float32, (plan.batch * plan.heads * plan.q_len, q.shape[3])), out, ahead=True)
+    finish(plan, accumulator(plan, q, ahead=True), out, ahead=True)
     return True
 
 
