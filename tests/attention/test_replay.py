@@ -155,6 +155,25 @@ def test_a_replay_launches_a_graph_on_the_addresses_of_a_call_seen_before(log, g
     assert kept((a2, b, out)) and [entry[0] for entry in log] == ["direct", "direct"]
 
 
+def test_a_graph_reads_copied_slots_from_buffers_of_its_own(log, graphs):
+    """The last ``copied`` slots (key lengths, a seed) do not enter a graph's key: calls with them at new addresses
+    launch the graph captured on the second call, which reads them from its buffers, each launch copying the call's
+    values there first. A copied slot that holds a plan's tensor stays a constant."""
+    (placeholder,), (a, out) = _tensors(1), _tensors(2)
+    lengths = [torch.randint(0, 64, (4,), dtype=torch.int32) for _ in range(4)]  # (each at its own address)
+    kept = replay.Replay.of(_recorded(log, (0, (3,), (a, out, lengths[0], placeholder), ())),
+                            (a, out, lengths[0], placeholder), (placeholder,), copied=2)
+    assert kept((a, out, lengths[0], placeholder)) and [entry[0] for entry in log] == ["direct"]
+    log.clear()
+    for x in lengths[1:]:
+        assert kept((a, out, x, placeholder))
+        [(_, buffers)] = kept._graphs.values()
+        [(slot, buffer)] = buffers
+        assert slot == 2 and torch.equal(buffer, x) and buffer.data_ptr() != x.data_ptr()
+    read = (a.data_ptr(), out.data_ptr(), buffer.data_ptr(), placeholder.data_ptr(), *CONSTEXPRS)
+    assert graphs == [(("direct", (3, 1, 1), read),)] and log == [("graph", graphs[0])] * 3
+
+
 def test_a_replay_launches_one_by_one_inside_a_callers_capture(log, graphs, monkeypatch):
     """Where the caller captures a graph of its own (torch.compile's reduce-overhead), the launches go into it."""
     a, out = _tensors(2)
@@ -322,14 +341,14 @@ def test_gpu_replayed_calls_match_the_reference(case, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["causal-d64-s300", "butterfly-d64-s300-keylen", "causal-d96-s300",
-                                  "dense-d64-s512-gluon", "causal-d128-s1024-gluon-keylen"])
+                                  "causal-d64-s300-keylen-dropout", "dense-d64-s512-gluon",
+                                  "causal-d128-s1024-gluon-keylen"])
 def test_gpu_graph_replays_read_each_calls_values(case, monkeypatch):
-    """Calls on tensors that stay where they are, their values (and the key lengths') rewritten in place before
-    each, as a training loop's steps: from the third call the replays launch CUDA graphs; each call's outputs
-    against the reference on its own values, and graphs of the forward and of the backward (the Gluon one where the
-    case says so, its dQ accumulator zeroed and converted in the graph) must have been launched. (Dropout's seed, a slot drawn
-    on each call as key lengths are rewritten here, lands at addresses that recur with no period a test can
-    count on.)"""
+    """Calls on tensors that stay where they are, their values rewritten in place before each, as a training loop's
+    steps, with key lengths made anew at addresses of their own and (dropout) a seed drawn by each call: from the
+    third call the replays launch CUDA graphs, which read the key lengths and the seed from copies; each call's
+    outputs against the reference on its own values, and graphs of the forward and of the backward (the Gluon one
+    where the case says so, its dQ accumulator zeroed and converted in the graph) must have been launched."""
     import sparseflash
     from sparseflash.masks import make
     from tests.helpers import Outputs, attention_with_grads, check_outputs
@@ -352,24 +371,28 @@ def test_gpu_graph_replays_read_each_calls_values(case, monkeypatch):
     monkeypatch.setattr(replay.Replay, "__call__", traced)
     mask = make(pattern, seq, block=64) if pattern == "butterfly" else pattern
     q, k, v, do = (torch.empty(2, 4, seq, dim, dtype=torch.bfloat16, device="cuda") for _ in range(4))
-    key_lengths = torch.empty(2, dtype=torch.int32, device="cuda") if "keylen" in case else None
-    calls = []  # each call's inputs and outputs, on the CPU: the next call's allocations land where this one's did
-    for i in range(6):
+    calls, held = [], []  # each call's inputs, dropout and outputs, on the CPU (the next call's allocations land
+    for i in range(6):    # where this one's did); each call's key lengths, held: the next ones land elsewhere
         for x in (q, k, v, do):
             x.copy_(torch.randn_like(x))
-        if key_lengths is not None:
-            key_lengths.copy_(torch.randint(seq // 2, seq + 1, (2,)))
-        got = attention_with_grads("triton", q, k, v, mask, do, key_lengths)
-        calls.append(([x.cpu() for x in (q, k, v, do)], None if key_lengths is None else key_lengths.cpu(),
+        key_lengths = None
+        if "keylen" in case:
+            key_lengths = torch.randint(seq // 2, seq + 1, (2,), dtype=torch.int32, device="cuda")
+            held.append(key_lengths)
+        dropout = SeededDropout(0.25, i) if "dropout" in case else None
+        got = attention_with_grads("triton", q, k, v, mask, do, key_lengths, dropout=dropout)
+        calls.append(([x.cpu() for x in (q, k, v, do)], None if key_lengths is None else key_lengths.cpu(), dropout,
                       Outputs(*(x.cpu() for x in got[:5]))))
         del got
         if i == 0:
             sparseflash.wait_for_compiles()
     backward = (16, "gluon" if "gluon" in case else "tuned", True)  # a graph of the backward this case runs
     assert (8, True, True) in tried and backward in tried, f"replays tried: {tried}"
-    for i, (inputs, lengths, got) in enumerate(calls):
+    if held:  # (the test's premise: the key lengths were at new addresses on each call)
+        assert len({t.data_ptr() for t in held}) == len(held)
+    for i, (inputs, lengths, dropout, got) in enumerate(calls):
         try:
             check_outputs(Outputs(*(x.cuda() for x in got)), *(x.cuda() for x in inputs[:3]), mask,
-                          inputs[3].cuda(), None if lengths is None else lengths.cuda())
+                          inputs[3].cuda(), None if lengths is None else lengths.cuda(), dropout=dropout)
         except AssertionError as error:
             raise AssertionError(f"call {i} ({len(graph_launches)} graph launches in all): {error}") from error

@@ -640,16 +640,17 @@ def attention_backward(q, k, v, o, lse, do, dlse, key_lengths: torch.Tensor, pla
     # dQ's accumulator, which the Gluon backward adds into (a slot of the call: also made where this call then runs
     # the Triton kernels, standing in on a first call or for a layout TMA cannot read)
     dq_acc = plan.placeholder if gluon is None else gluon.accumulator(plan, q)
-    # (the tensors the launches take, and what their scalars and kernels depend on besides the plan); a call that
-    # adds the captured tensors' gradients also zeroes them: not replayed
-    slots = (q, k, v, o, lse, do, plan.placeholder if dlse is None else dlse, delta, lse2, dq, dk, dv, key_lengths,
-             mods, dropout_args[0], dq_acc)
+    # (the tensors the launches take, the key lengths and the seed last: copied by graphs, as the forward's; and what
+    # their scalars and kernels depend on besides the plan); a call that adds the captured tensors' gradients also
+    # zeroes them: not replayed
+    slots = (q, k, v, o, lse, do, plan.placeholder if dlse is None else dlse, delta, lse2, dq, dk, dv, mods, dq_acc,
+             key_lengths, dropout_args[0])
     layout = (q.stride(), k.stride(), v.stride(), o.stride(), do.stride(), do.dtype,
               None if dlse is None else dlse.stride(), deterministic, *dropout_args[1:])
     replays, adds_grads = plan.replays["backward"], any(g is not None for g in grads)
     replay = None if adds_grads else replays.get(layout)
     if replay is None or not replay(slots):
-        with replays.keep(layout, slots, plan.tensors) as settled:
+        with replays.keep(layout, slots, plan.tensors, copied=2) as settled:
             ran = _launch(plan, q, k, v, o, lse, do, dlse, key_lengths, delta, lse2, dq, dk, dv, grads, mods,
                           stats_stride, dropout_args, gluon, dq_acc)
             settled[0] = None if adds_grads else ran

@@ -138,14 +138,16 @@ def attention_forward(q, k, v, key_lengths: torch.Tensor, plan: LaunchPlan, capt
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     mods = plan.mods_table(list(captures))
     dropout_args = plan.dropout_args(dropout)
-    # (the tensors the launches take, and what their scalars depend on besides the plan)
-    slots, layout = (q, k, v, o, lse, key_lengths, mods, dropout_args[0]), (q.stride(), k.stride(), v.stride(),
+    # (the tensors the launches take, and what their scalars depend on besides the plan); the key lengths (made on
+    # each call in int32) and the dropout seed last: small tensors at addresses a loop does not repeat, which graphs
+    # read from copies (``replay``)
+    slots, layout = (q, k, v, o, lse, mods, key_lengths, dropout_args[0]), (q.stride(), k.stride(), v.stride(),
                                                                              *dropout_args[1:])
     replays = plan.replays["forward"]
     replay = replays.get(layout)
     if replay is not None and replay(slots):
         return o, lse
-    with replays.keep(layout, slots, plan.tensors) as settled:
+    with replays.keep(layout, slots, plan.tensors, copied=2) as settled:
         stand_in = _triton_stand_in(plan, q, k, v, o, lse, key_lengths, mods) if plan.gluon_forward else None
         if stand_in is not None and run_stand_in(plan.per_layout["forward_stand_in"], lambda: _launch(
                 plan, stand_in, q, k, v, o, lse, key_lengths, mods, dropout_args)):

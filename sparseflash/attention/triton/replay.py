@@ -16,7 +16,10 @@ caller sees to the second (``keep``'s ``settled``).
 A replay called again on tensors at the same addresses (a training loop's steps, whose allocations repeat) launches
 them as one CUDA graph, captured on the second call of those addresses: one graph launch in place of the Python
 that built each launch's arguments and of Triton's launcher (the Gluon kernels' TMA descriptors encoded on every
-launch); ``SPARSEFLASH_GRAPH_REPLAYS=0`` turns that off.
+launch); ``SPARSEFLASH_GRAPH_REPLAYS=0`` turns that off. A call's last few slots may be *copied*: small tensors a
+call allocates anew (its key lengths in int32, its dropout seed), whose addresses a loop does not repeat (a model's
+layers keep them for their backwards while other small tensors come and go around them): a graph reads them from
+buffers of its own, into which each launch of it copies the call's, so that they do not enter its key.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ SEEN_KEPT = 4 * GRAPHS_KEPT  # address tuples remembered from one call (the seco
 class Replay:
     """The launches of one call, to launch again on the tensors of a later call: ``replay(slots)``."""
 
-    def __init__(self, steps: list[tuple], constants: list[torch.Tensor], outcome=True):
+    def __init__(self, steps: list[tuple], constants: list[torch.Tensor], outcome=True, placed: int | None = None,
+                 copied: tuple[int, ...] = ()):
         # (Compiled, 3-D grid, indices into the slots' addresses and the constants', scalars, and (places, index,
         # descriptor) of each TMA descriptor among the arguments, at one or more places: rebuilt over the tensor at
         # that index)
@@ -58,7 +62,10 @@ class Replay:
         self._constant_addresses = [t.data_ptr() for t in constants]
         self._device = current_device()  # the device the kernels were loaded on
         self.outcome = outcome  # what the kept call reported (``Replays.keep``'s settled): the backward it ran
-        self._graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()  # by the slots' addresses
+        # a graph's key: the addresses of the slots before ``placed`` (all: None); the slots it reads from copies
+        self._placed, self._copied = placed, copied
+        # graphs, each with the buffers it reads the copied slots from, by their keys
+        self._graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = OrderedDict()
         self._seen: OrderedDict[tuple, None] = OrderedDict()
         self._captures = self._graph_hits = 0  # graphs captured; calls that launched a graph captured before
         # not where a kernel takes global scratch: Triton's allocator would allocate it inside the capture
@@ -66,12 +73,13 @@ class Replay:
             step[0].scratch is None for step in steps)
 
     @classmethod
-    def of(cls, launches: list, slots: tuple[torch.Tensor, ...], constants: tuple[torch.Tensor, ...], outcome=True):
+    def of(cls, launches: list, slots: tuple[torch.Tensor, ...], constants: tuple[torch.Tensor, ...], outcome=True,
+           copied: int = 0):
         """The replay of ``launches`` (a ``recorded`` block's) on calls that give their tensors as ``slots`` (this
         call's, in the order later calls will give theirs), ``constants`` the plan's tensors, ``outcome`` what the
-        call reported (``Replay.outcome``); None where this call cannot be kept but a later one may be (one tensor
-        in two slots, a misaligned slot); NOT_REPLAYED where no call of this layout can be (a launch with another
-        tensor, or through Triton's interpreter)."""
+        call reported (``Replay.outcome``), the last ``copied`` slots read by its graphs from copies; None where
+        this call cannot be kept but a later one may be (one tensor in two slots, a misaligned slot); NOT_REPLAYED
+        where no call of this layout can be (a launch with another tensor, or through Triton's interpreter)."""
         if not launches or None in launches:
             return NOT_REPLAYED
         index = {id(t): len(slots) + i for i, t in enumerate(constants)}
@@ -93,7 +101,10 @@ class Replay:
                     places.setdefault(id(t), []).append(i)
             descriptors = [(at, indices[at[0]], _rebased(tensors[at[0]], None)) for at in places.values()]
             steps.append((compiled, (*grid, 1, 1)[:3], indices, scalars, descriptors))
-        return cls(steps, list(constants), outcome)
+        placed = len(slots) - copied
+        # (a copied slot that holds a plan's tensor, the placeholder of absent key lengths, is a constant)
+        return cls(steps, list(constants), outcome, placed,
+                   tuple(i for i in range(placed, len(slots)) if index[id(slots[i])] == i))
 
     def __call__(self, slots: tuple[torch.Tensor, ...]) -> bool:
         """Launch the kept launches on ``slots``: True; False (nothing launched) where a slot is not 16-byte
@@ -103,8 +114,11 @@ class Replay:
         device = current_device()
         if functools.reduce(operator.or_, addresses) % 16 or device != self._device or launch_hooks_set():
             return False
-        graph = self._graph(addresses, slots) if self._graphed else None
-        if graph is not None:
+        kept = self._graph(addresses, slots) if self._graphed else None
+        if kept is not None:
+            graph, buffers = kept
+            for i, buffer in buffers:  # (on the stream the graph then runs on: done before it reads them)
+                buffer.copy_(slots[i])
             graph.replay()
         else:
             self._launch(addresses, slots, current_stream(device))
@@ -120,39 +134,45 @@ class Replay:
                     arguments[place] = rebased
             compiled.launch(grid, stream, arguments, scalars)
 
-    def _graph(self, addresses: tuple, slots: tuple) -> torch.cuda.CUDAGraph | None:
-        """The CUDA graph of the launches on tensors at ``addresses``: kept, or captured now where a call on them
-        was seen before; None where the launches are to be made one by one (a first call on these addresses, a
-        caller's capture in progress, which records them, or a replay that stopped capturing)."""
+    def _graph(self, addresses: tuple, slots: tuple) -> tuple[torch.cuda.CUDAGraph, tuple] | None:
+        """The CUDA graph of the launches on tensors at ``addresses`` (the copied slots' aside) and the (slot,
+        buffer) pairs it reads the copied slots from: kept, or captured now where a call with the same key was seen
+        before; None where the launches are to be made one by one (a first call with this key, a caller's capture
+        in progress, which records them, or a replay that stopped capturing)."""
+        key = addresses[:self._placed]
         with _GRAPHS_LOCK:  # (two threads' calls: one capture at a time on the side stream, and whole bookkeeping)
-            graph = self._graphs.get(addresses)
-            if graph is None and addresses not in self._seen:
-                self._seen[addresses] = None
+            graph = self._graphs.get(key)
+            if graph is None and key not in self._seen:
+                self._seen[key] = None
                 if len(self._seen) > SEEN_KEPT:
                     self._seen.popitem(last=False)
                 return None
             if torch.cuda.is_current_stream_capturing():
                 return None
             if graph is not None:
-                self._graphs.move_to_end(addresses)
+                self._graphs.move_to_end(key)
                 self._graph_hits += 1
                 return graph
             if self._captures >= 2 * GRAPHS_KEPT and self._graph_hits < self._captures:
                 self._graphed = False  # more address tuples recur than it keeps graphs of: captures are not repaid
                 return None
+            buffers = tuple((i, torch.empty_like(slots[i])) for i in self._copied)
+            read, at = list(slots), list(addresses)
+            for i, buffer in buffers:
+                read[i], at[i] = buffer, buffer.data_ptr()
             try:
-                graph = _captured(lambda stream: self._launch(addresses, slots, stream), self._device)
+                graph = _captured(lambda stream: self._launch(tuple(at), tuple(read), stream), self._device)
             except RuntimeError as error:
                 self._graphed = False  # one by one from now on (a launch's own error then reaches the caller)
                 warnings.warn(f"sparseflash: capturing a replay's kernels as a CUDA graph failed ({error}); its "
                               "calls launch them one by one", RuntimeWarning, stacklevel=2)
                 return None
             self._captures += 1
-            del self._seen[addresses]
-            self._graphs[addresses] = graph
+            del self._seen[key]
+            self._graphs[key] = graph, buffers
             if len(self._graphs) > GRAPHS_KEPT:
                 self._graphs.popitem(last=False)
-            return graph
+            return graph, buffers
 
 
 _GRAPHS_LOCK = threading.Lock()
@@ -200,7 +220,7 @@ class Replays:
     replay to launch, if kept under the current tuning choices; ``with replays.keep(key, slots, constants) as
     settled:`` records the launches of the block and keeps them where the block sets ``settled[0]`` (to a true
     value, which the replay keeps as its ``outcome``); ``constants`` (the plan's ``tensors``) is read after the
-    block, which may add to it."""
+    block, which may add to it; ``copied``: ``Replay.of``'s."""
 
     def __init__(self):
         self._kept: dict[tuple, tuple[int, Replay | bool]] = {}
@@ -211,7 +231,7 @@ class Replays:
         return replay if replay and current is not None and version == current else None
 
     @contextlib.contextmanager
-    def keep(self, key: tuple, slots: tuple, constants: tuple) -> Iterator[list]:
+    def keep(self, key: tuple, slots: tuple, constants: tuple, copied: int = 0) -> Iterator[list]:
         version = tuning.choices_version()
         settled = [False]
         if version is None or self._kept.get(key) == (version, NOT_REPLAYED):
@@ -220,6 +240,6 @@ class Replays:
         with recorded() as launches:
             yield settled
         if settled[0] and tuning.choices_version() == version:
-            replay = Replay.of(launches, slots, constants, settled[0])
+            replay = Replay.of(launches, slots, constants, settled[0], copied)
             if replay is not None:
                 self._kept[key] = version, replay
