@@ -150,6 +150,23 @@ def test_peer_without_the_mask_is_skipped():
     assert bench_backends.REGISTRY["flex"].skip_reason(q, butterfly, ctx) is None
 
 
+@pytest.mark.parametrize("installed", [True, False], ids=["fa4-installed", "fa4-missing"])
+def test_flex_flash_is_skipped_where_flashattention4_is_not_installed(installed, monkeypatch):
+    """Flex's FLASH backend is in the default runs, as Flex is: on a GPU without FlashAttention-4 its rows are
+    skipped with a reason naming the package (not built, not a crash); with it, only the mask and dropout decide."""
+    from sparseflash.attention import baselines
+
+    monkeypatch.setattr(baselines, "flash_available", lambda: installed)
+    ctx = bench_backends.Context(torch.device("cuda"))
+    q, mask = torch.randn(1, 2, 128, 16), make("butterfly", 128, block=32)
+    reason = bench_backends.REGISTRY["flex-flash"].skip_reason(q, mask, ctx)
+    assert reason is None if installed else "flash_attn.cute" in reason and "not installed" in reason
+    if not installed:  # the adapter says the same to a direct caller
+        with pytest.raises(baselines.Unsupported, match="not installed"):
+            baselines.flex_attention(q, q, q, mask, backend="FLASH")
+    assert "flex-flash" in BenchConfig.from_cfg(_compose([])).backends
+
+
 def test_plots_render(tiny_run):
     out, _ = tiny_run
     pngs = sorted((out / "plots").glob("*.png"))
@@ -405,7 +422,7 @@ def test_h100_preset_is_the_issue_grid():
     assert spec.seq_lens == [1024, 4096, 16384] and spec.tokens == 16384 and spec.head_dims == [128]
     assert [p.label for p in spec.patterns] == ["dense", "causal", "butterfly", "local(window=2)",
                                                 "random(density=0.25)"]
-    assert {"sparseflash-blocked", "flex", "sdpa", "sparseflash-triton"} == set(spec.backends)
+    assert {"sparseflash-blocked", "flex", "flex-flash", "sdpa", "sparseflash-triton"} == set(spec.backends)
 
 
 def test_wandb_logger_and_dict_patterns_compose():

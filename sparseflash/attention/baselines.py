@@ -200,7 +200,11 @@ def compiled_flex(dynamic: bool | None = None, backend: str = "TRITON"):
     return torch.compile(flex, dynamic=dynamic)
 
 
-def _flash_available() -> bool:
+FLASH_MISSING = "Flex's FLASH backend needs FlashAttention-4 (the flash_attn.cute package), which is not installed"
+
+
+def flash_available() -> bool:
+    """Whether Flex's FLASH backend can run here: FlashAttention-4's package is installed."""
     import importlib.util
 
     try:
@@ -228,9 +232,8 @@ def flex_attention(
     ``backend="FLASH"`` Flex's FlashAttention-4 backend (``Unsupported`` where it is not installed)."""
     if backend not in ("TRITON", "FLASH"):
         raise ValueError(f"Flex backend must be TRITON or FLASH; got {backend!r}")
-    if backend == "FLASH" and not _flash_available():
-        raise Unsupported("Flex's FLASH backend needs FlashAttention-4 (the flash_attn.cute package), "
-                          "which is not installed")
+    if backend == "FLASH" and not flash_available():
+        raise Unsupported(FLASH_MISSING)
     if mask is None:
         from sparseflash.masks import make
 

@@ -92,6 +92,10 @@ def _flex(backend: str) -> Builder:
     return build
 
 
+def _flash_skip(q, mask, ctx):
+    return None if baselines.flash_available() else baselines.FLASH_MISSING
+
+
 _CPU_PEER = "the peers are timed on CUDA only (on CPU they are not the kernels one would compare with)"
 _FLEX_NO_DROPOUT = "FlexAttention has no dropout on the probabilities"
 
@@ -110,9 +114,10 @@ REGISTRY: dict[str, HarnessBackend] = {
                                  dense_causal_only=True),
     "flex": HarnessBackend("flex", _flex("TRITON"), lambda d: "flex (torch.compile)", cuda_only=_CPU_PEER,
                            no_dropout=_FLEX_NO_DROPOUT),
-    # FlexAttention's FLASH backend: FlashAttention-4 (CuTe DSL), where its package is installed
+    # FlexAttention's FLASH backend: FlashAttention-4 (CuTe DSL); skipped, saying so, where its package is not
+    # installed, so that the default runs report it as they report Flex
     "flex-flash": HarnessBackend("flex-flash", _flex("FLASH"), lambda d: "flex FLASH (FA4)", cuda_only=_CPU_PEER,
-                                 no_dropout=_FLEX_NO_DROPOUT),
+                                 no_dropout=_FLEX_NO_DROPOUT, extra_skip=_flash_skip),
 }
 
 # Errors that mean "this backend cannot run this case" rather than "this backend is broken".
