@@ -139,7 +139,7 @@ def _attn_fwd_persistent(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         # CAUSAL runs its diagonal tiles in the same loop, masking every tile: a second loop makes
-        # the warp-specialisation pass fail (Triton 3.9)
+        # the warp-specialisation pass fail (Triton 3.6, 3.9; tests/attention/test_triton_bugs.py)
         acc, l_i, m_i = _fwd_tiles_tma(
             acc, l_i, m_i, q, k_desc, v_desc, k_row, k_col, v_row, v_col, part_hi if CAUSAL else full_hi,
             full_idx, q_start, qk_scale, b, h, MODS, WALK_TABLES, CAUSAL or (MASK_EVERY_TILE and IS_CAUSAL),
