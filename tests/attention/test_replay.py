@@ -155,21 +155,20 @@ def test_a_replay_launches_a_graph_on_the_addresses_of_a_call_seen_before(log, g
     assert kept((a2, b, out)) and [entry[0] for entry in log] == ["direct", "direct"]
 
 
-def test_a_graph_reads_copied_slots_from_buffers_of_its_own(log, graphs):
+def test_a_graph_reads_copied_slots_from_the_replays_buffers(log, graphs):
     """The last ``copied`` slots (key lengths, a seed) do not enter a graph's key: calls with them at new addresses
-    launch the graph captured on the second call, which reads them from its buffers, each launch copying the call's
-    values there first. A copied slot that holds a plan's tensor stays a constant."""
+    launch the graph captured on the second call, which reads them from the replay's buffers (made with it), each
+    launch copying the call's values there first. A copied slot that holds a plan's tensor stays a constant."""
     (placeholder,), (a, out) = _tensors(1), _tensors(2)
     lengths = [torch.randint(0, 64, (4,), dtype=torch.int32) for _ in range(4)]  # (each at its own address)
     kept = replay.Replay.of(_recorded(log, (0, (3,), (a, out, lengths[0], placeholder), ())),
                             (a, out, lengths[0], placeholder), (placeholder,), copied=2)
+    [(slot, buffer)] = kept._copied
+    assert slot == 2 and buffer.data_ptr() not in {x.data_ptr() for x in lengths}
     assert kept((a, out, lengths[0], placeholder)) and [entry[0] for entry in log] == ["direct"]
     log.clear()
     for x in lengths[1:]:
-        assert kept((a, out, x, placeholder))
-        [(_, buffers)] = kept._graphs.values()
-        [(slot, buffer)] = buffers
-        assert slot == 2 and torch.equal(buffer, x) and buffer.data_ptr() != x.data_ptr()
+        assert kept((a, out, x, placeholder)) and torch.equal(buffer, x)
     read = (a.data_ptr(), out.data_ptr(), buffer.data_ptr(), placeholder.data_ptr(), *CONSTEXPRS)
     assert graphs == [(("direct", (3, 1, 1), read),)] and log == [("graph", graphs[0])] * 3
 
@@ -371,25 +370,25 @@ def test_gpu_graph_replays_read_each_calls_values(case, monkeypatch):
     monkeypatch.setattr(replay.Replay, "__call__", traced)
     mask = make(pattern, seq, block=64) if pattern == "butterfly" else pattern
     q, k, v, do = (torch.empty(2, 4, seq, dim, dtype=torch.bfloat16, device="cuda") for _ in range(4))
-    calls, held = [], []  # each call's inputs, dropout and outputs, on the CPU (the next call's allocations land
-    for i in range(6):    # where this one's did); each call's key lengths, held: the next ones land elsewhere
+    # each call's key lengths at an address of its own, allocated before the calls (allocated among them, the tensors
+    # held would move the calls' own small allocations, which a loop's steps free and allocate again in place)
+    held = [torch.empty(2, dtype=torch.int32, device="cuda") for _ in range(6)] if "keylen" in case else []
+    # each call's inputs, dropout and outputs, on the CPU, detached (a CPU copy of o would keep its autograd graph
+    # and the dropout seed the graph holds: the next call would allocate elsewhere)
+    calls = []
+    for i in range(6):
         for x in (q, k, v, do):
             x.copy_(torch.randn_like(x))
-        key_lengths = None
-        if "keylen" in case:
-            key_lengths = torch.randint(seq // 2, seq + 1, (2,), dtype=torch.int32, device="cuda")
-            held.append(key_lengths)
+        key_lengths = held[i].random_(seq // 2, seq + 1) if held else None
         dropout = SeededDropout(0.25, i) if "dropout" in case else None
         got = attention_with_grads("triton", q, k, v, mask, do, key_lengths, dropout=dropout)
         calls.append(([x.cpu() for x in (q, k, v, do)], None if key_lengths is None else key_lengths.cpu(), dropout,
-                      Outputs(*(x.cpu() for x in got[:5]))))
+                      Outputs(*(x.detach().cpu() for x in got[:5]))))
         del got
         if i == 0:
             sparseflash.wait_for_compiles()
     backward = (16, "gluon" if "gluon" in case else "tuned", True)  # a graph of the backward this case runs
     assert (8, True, True) in tried and backward in tried, f"replays tried: {tried}"
-    if held:  # (the test's premise: the key lengths were at new addresses on each call)
-        assert len({t.data_ptr() for t in held}) == len(held)
     for i, (inputs, lengths, dropout, got) in enumerate(calls):
         try:
             check_outputs(Outputs(*(x.cuda() for x in got)), *(x.cuda() for x in inputs[:3]), mask,

@@ -18,8 +18,11 @@ them as one CUDA graph, captured on the second call of those addresses: one grap
 that built each launch's arguments and of Triton's launcher (the Gluon kernels' TMA descriptors encoded on every
 launch); ``SPARSEFLASH_GRAPH_REPLAYS=0`` turns that off. A call's last few slots may be *copied*: small tensors a
 call allocates anew (its key lengths in int32, its dropout seed), whose addresses a loop does not repeat (a model's
-layers keep them for their backwards while other small tensors come and go around them): a graph reads them from
-buffers of its own, into which each launch of it copies the call's, so that they do not enter its key.
+layers keep them for their backwards while other small tensors come and go around them): the graphs read them from
+buffers of the replay's, into which each graph launch first copies the call's, so that they do not enter a graph's
+key. The buffers are made with the replay, in a pool of their own (``made_outside_graph_pools``): made at a graph's
+capture, in the pool of the calls' stream, they would move the small tensors the next calls allocate, whose graph
+then is not the one captured.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Iterator
 
 import torch
 
+from sparseflash.attention.kept_tensors import made_outside_graph_pools
 from sparseflash.attention.triton import tuning
 from sparseflash.attention.triton.launch import current_device, current_stream, launch_hooks_set, recorded
 
@@ -53,7 +57,7 @@ class Replay:
     """The launches of one call, to launch again on the tensors of a later call: ``replay(slots)``."""
 
     def __init__(self, steps: list[tuple], constants: list[torch.Tensor], outcome=True, placed: int | None = None,
-                 copied: tuple[int, ...] = ()):
+                 copied: tuple[tuple[int, torch.Tensor], ...] = ()):
         # (Compiled, 3-D grid, indices into the slots' addresses and the constants', scalars, and (places, index,
         # descriptor) of each TMA descriptor among the arguments, at one or more places: rebuilt over the tensor at
         # that index)
@@ -62,10 +66,10 @@ class Replay:
         self._constant_addresses = [t.data_ptr() for t in constants]
         self._device = current_device()  # the device the kernels were loaded on
         self.outcome = outcome  # what the kept call reported (``Replays.keep``'s settled): the backward it ran
-        # a graph's key: the addresses of the slots before ``placed`` (all: None); the slots it reads from copies
+        # a graph's key: the addresses of the slots before ``placed`` (all: None); (slot, buffer) of each slot the
+        # graphs read from a copy (on one stream, a launch's copies are made after the previous launch read them)
         self._placed, self._copied = placed, copied
-        # graphs, each with the buffers it reads the copied slots from, by their keys
-        self._graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = OrderedDict()
+        self._graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()  # by their keys
         self._seen: OrderedDict[tuple, None] = OrderedDict()
         self._captures = self._graph_hits = 0  # graphs captured; calls that launched a graph captured before
         # not where a kernel takes global scratch: Triton's allocator would allocate it inside the capture
@@ -103,8 +107,11 @@ class Replay:
             steps.append((compiled, (*grid, 1, 1)[:3], indices, scalars, descriptors))
         placed = len(slots) - copied
         # (a copied slot that holds a plan's tensor, the placeholder of absent key lengths, is a constant)
-        return cls(steps, list(constants), outcome, placed,
-                   tuple(i for i in range(placed, len(slots)) if index[id(slots[i])] == i))
+        copies = [i for i in range(placed, len(slots)) if index[id(slots[i])] == i]
+        if copies and torch.cuda.is_current_stream_capturing():
+            return None  # (the buffers cannot be made inside a caller's capture)
+        buffers = made_outside_graph_pools(lambda: [torch.empty_like(slots[i]) for i in copies], slots[0].device)
+        return cls(steps, list(constants), outcome, placed, tuple(zip(copies, buffers)))
 
     def __call__(self, slots: tuple[torch.Tensor, ...]) -> bool:
         """Launch the kept launches on ``slots``: True; False (nothing launched) where a slot is not 16-byte
@@ -114,10 +121,9 @@ class Replay:
         device = current_device()
         if functools.reduce(operator.or_, addresses) % 16 or device != self._device or launch_hooks_set():
             return False
-        kept = self._graph(addresses, slots) if self._graphed else None
-        if kept is not None:
-            graph, buffers = kept
-            for i, buffer in buffers:  # (on the stream the graph then runs on: done before it reads them)
+        graph = self._graph(addresses, slots) if self._graphed else None
+        if graph is not None:
+            for i, buffer in self._copied:  # (on the stream the graph then runs on: done before it reads them)
                 buffer.copy_(slots[i])
             graph.replay()
         else:
@@ -134,11 +140,11 @@ class Replay:
                     arguments[place] = rebased
             compiled.launch(grid, stream, arguments, scalars)
 
-    def _graph(self, addresses: tuple, slots: tuple) -> tuple[torch.cuda.CUDAGraph, tuple] | None:
-        """The CUDA graph of the launches on tensors at ``addresses`` (the copied slots' aside) and the (slot,
-        buffer) pairs it reads the copied slots from: kept, or captured now where a call with the same key was seen
-        before; None where the launches are to be made one by one (a first call with this key, a caller's capture
-        in progress, which records them, or a replay that stopped capturing)."""
+    def _graph(self, addresses: tuple, slots: tuple) -> torch.cuda.CUDAGraph | None:
+        """The CUDA graph of the launches on tensors at ``addresses`` (the copied slots' aside: read from the
+        buffers): kept, or captured now where a call with the same key was seen before; None where the launches are
+        to be made one by one (a first call with this key, a caller's capture in progress, which records them, or a
+        replay that stopped capturing)."""
         key = addresses[:self._placed]
         with _GRAPHS_LOCK:  # (two threads' calls: one capture at a time on the side stream, and whole bookkeeping)
             kept = self._graphs.get(key)
@@ -156,9 +162,8 @@ class Replay:
             if self._captures >= 2 * GRAPHS_KEPT and self._graph_hits < self._captures:
                 self._graphed = False  # more address tuples recur than it keeps graphs of: captures are not repaid
                 return None
-            buffers = tuple((i, torch.empty_like(slots[i])) for i in self._copied)
             read, at = list(slots), list(addresses)
-            for i, buffer in buffers:
+            for i, buffer in self._copied:
                 read[i], at[i] = buffer, buffer.data_ptr()
             try:
                 graph = _captured(lambda stream: self._launch(tuple(at), tuple(read), stream), self._device)
@@ -169,10 +174,10 @@ class Replay:
                 return None
             self._captures += 1
             del self._seen[key]
-            self._graphs[key] = graph, buffers
+            self._graphs[key] = graph
             if len(self._graphs) > GRAPHS_KEPT:
                 self._graphs.popitem(last=False)
-            return graph, buffers
+            return graph
 
 
 _GRAPHS_LOCK = threading.Lock()
