@@ -33,12 +33,7 @@ Constexpr flags:
                  it and mask the keys past it in the tile across it. SPARSE walks whole blocks: the listed blocks
                  with a key before it (``gluon_tools.walk_before``), so that a block across it has its tiles
                  computed and masked, those wholly past it too.
-  BLOCK_N        key rows of a tile (``KEY_TILE``: 128, 64 at head dims 192 and 256; 192 with TAIL_KEYS).
-  TAIL_KEYS      keys of a key tile's second part, after its first BLOCK_N - TAIL_KEYS (0: none). DENSE at head dim
-                 128 without functions (``key_parts``) takes 192-key tiles, 128 + 64: each part has its TMA box,
-                 buffers, score tile and products (Triton's tensors are powers of two), so that what a tile costs
-                 besides its products (O rescaled, the rows' max and sum, the barriers and waits) spreads over 1.5x
-                 the keys, as in FlashAttention-3's wider tiles where no mask cuts them. Two stages (K_EARLY).
+  BLOCK_N        key rows of a tile (``KEY_TILE``: 128, 64 at head dims 192 and 256).
   SPARSE_BLOCK_M, SPARSE_BLOCK_N  SPARSE: the mask block, multiples of the tiles.
   HEAD_DIM, HEAD_DIM2  the head dim, a power of two (HEAD_DIM2 = 0), or its two parts (``plan.head_dim_parts``:
                  96 = 64 + 32), each read by TMA boxes of its own width and multiplied apart (S = Q K^T + Q2 K2^T,
@@ -76,11 +71,11 @@ import math
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, key_end, listed_walk, load_box, moved_back,
-                                                      named_arrive, named_sync, row_view, row_view_coords, tma_load,
+                                                      named_arrive, named_sync, row_view, row_view_coords,
                                                       walk_before, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
 from sparseflash.attention.triton.plan import KIND_CODES
@@ -98,10 +93,6 @@ BLOCK_M = 2 * HALF_M
 KEY_TILE = {48: 128, 64: 128, 80: 128, 96: 128, 128: 128, 160: 128, 192: 64, 256: 64}
 STAGES = {48: 4, 64: 4, 80: 3, 96: 3, 128: 3, 160: 2, 192: 3, 256: 2}
 TILES = {dim: (BLOCK_M, keys) for dim, keys in KEY_TILE.items()}  # the lengths these divide, by head dim
-# DENSE key tiles in two parts (``key_parts``), by head dim: (keys of the tile, keys of its second part), and their
-# stages (2 x 96 KiB at head dim 128, beside Q's 32 KiB)
-WIDE_KEYS = {128: (160, 32)}
-WIDE_STAGES = 2
 # "auto" takes it from this mean number of keys a query row walks, by head dim and whether the mask is
 # CAUSAL. On an H100 it ran 1.01-1.33x the Triton forward at or above them, 0.62-0.97x below (one item
 # a program: three warpgroups to start and a pipeline to fill for each); the Triton forward's CAUSAL at
@@ -210,49 +201,6 @@ def _safe_max(m, MAY_BE_EMPTY: gl.constexpr):
 
 
 @gluon.jit
-def _issue_scores(q, q2, k, k2, k_tail, zero_s, zero_tail, HEAD_DIM2: gl.constexpr, TAIL_KEYS: gl.constexpr):
-    """Issue S = Q K^T of a key tile (``issue_abt``) and, with TAIL_KEYS, S_tail = Q K_tail^T of its second part of
-    keys: a wgmma group each (S_tail 0.0 without)."""
-    s = issue_abt(q, q2, k, k2, zero_s, HEAD_DIM2)
-    s_tail = 0.0
-    if TAIL_KEYS > 0:
-        s_tail = warpgroup_mma(q, k_tail.permute((1, 0)), zero_tail, use_acc=False, is_async=True)
-    return s, s_tail
-
-
-@gluon.jit
-def _issue_pv(p_op, p2_op, p_tail_op, v, v2, v_tail, acc, acc2, HEAD_DIM2: gl.constexpr, TAIL_KEYS: gl.constexpr):
-    """Issue O += P V (``issue_pv``) and, with TAIL_KEYS, O += P_tail V_tail of the tile's second part of keys: a
-    wgmma group each."""
-    acc, acc2 = issue_pv(p_op, p2_op, v, v2, acc, acc2, HEAD_DIM2)
-    if TAIL_KEYS > 0:
-        acc = warpgroup_mma(p_tail_op, v_tail, acc, is_async=True)
-    return acc, acc2
-
-
-@gluon.jit
-def _with_tail_max(m, s_tail, TAIL_KEYS: gl.constexpr):
-    """The rows' max m of a tile's first part of keys and, with TAIL_KEYS, of its second part's scores s_tail."""
-    if TAIL_KEYS > 0:
-        m = gl.maximum(m, gl.convert_layout(gl.max(s_tail, 1), m.type.layout))
-    return m
-
-
-@gluon.jit
-def _tail_probabilities(s_tail, m_scaled, soft_scale, l, p_layout: gl.constexpr, dtype: gl.constexpr,
-                        TAIL_KEYS: gl.constexpr):
-    """With TAIL_KEYS: the probabilities exp2(s_tail soft_scale - m_scaled) of the tile's second part of keys as
-    P_tail V_tail's operand (in dtype, p_layout), and the rows' sums l with theirs added; (0.0, l) without."""
-    p_tail_op = 0.0
-    if TAIL_KEYS > 0:
-        shifted = gl.convert_layout(m_scaled, gl.SliceLayout(1, s_tail.type.layout))
-        p_tail = gl.exp2(s_tail * soft_scale - shifted[:, None])
-        l = l + gl.convert_layout(gl.sum(p_tail, 1), l.type.layout)
-        p_tail_op = gl.convert_layout(p_tail.to(dtype), p_layout)
-    return p_tail_op, l
-
-
-@gluon.jit
 def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS, stride_num_b, stride_num_h,
                stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, MASK_KIND: gl.constexpr,
                SCHEDULED: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -288,15 +236,14 @@ def _work_item(item, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGT
 
 @gluon.jit
 def _producer(load_args, MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, RAGGED_KEYS: gl.constexpr,
-              HAS_KEY_LENGTHS: gl.constexpr, BLOCK_N: gl.constexpr, TAIL_KEYS: gl.constexpr,
-              SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr,
-              STAGES: gl.constexpr):
+              HAS_KEY_LENGTHS: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+              SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """For each work item: Q (a 64-row box per consumer) once every consumer is done with the previous Q, then K
     and V of each key tile into the ring's next buffer once every consumer released its previous tile (K and V
-    apart with K_EARLY); with HEAD_DIM2, each with its second part (q2/k2/v2), with TAIL_KEYS K and V of the tile's
-    second part of keys (k_tail/v_tail). ``load_args``: the kernel's arguments the loads take (``_attn_fwd_gluon``)."""
-    (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, k_tail_desc, v_tail_desc, q_smem, k_smem, v_smem, q2_smem,
-     k2_smem, v2_smem, k_tail_smem, v_tail_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS,
+    apart with K_EARLY); with HEAD_DIM2, each with its second part (q2/k2/v2). ``load_args``: the kernel's
+    arguments the loads take (``_attn_fwd_gluon``)."""
+    (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready,
+     q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS,
      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_num_b,
      stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, groups, q_len, kv_len, n_items,
      num_programs) = load_args
@@ -305,10 +252,8 @@ def _producer(load_args, MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, RAGGE
     K_EARLY: gl.constexpr = STAGES < 3
     # bytes of a box of Q, K and V with its second part's (``_load_box``)
     Q_BYTES: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
-    K_BYTES: gl.constexpr = (k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0) +
-                             (k_tail_desc.block_type.nbytes if TAIL_KEYS > 0 else 0))
-    V_BYTES: gl.constexpr = (v_desc.block_type.nbytes + (v2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0) +
-                             (v_tail_desc.block_type.nbytes if TAIL_KEYS > 0 else 0))
+    K_BYTES: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
+    V_BYTES: gl.constexpr = v_desc.block_type.nbytes + (v2_desc.block_type.nbytes if HEAD_DIM2 > 0 else 0)
     loads = 0  # key tiles loaded so far: the ring's position
     i = 0  # work items so far: the phase of q_empty
     first, end, step = program_items(SCHEDULE, n_items, num_programs, SCHEDULED)
@@ -338,17 +283,11 @@ def _producer(load_args, MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, RAGGE
             mbarrier.expect(k_ready.index(stage), K_BYTES)
             load_box(k_desc, k2_desc, k_row + kv_start, k_col, k_ready.index(stage), k_smem.index(stage),
                      k2_smem.index(stage), HEAD_DIM2)
-            if TAIL_KEYS > 0:  # the tile's second part of keys, on the same barrier
-                tma_load(k_tail_desc, [k_row + kv_start + BLOCK_N - TAIL_KEYS, k_col], k_ready.index(stage),
-                         k_tail_smem.index(stage))
             if K_EARLY:
                 mbarrier.wait(v_empty.index(stage), phase, pred=loads >= STAGES)
             mbarrier.expect(v_ready.index(stage), V_BYTES)
             load_box(v_desc, v2_desc, v_row + kv_start, v_col, v_ready.index(stage), v_smem.index(stage),
                      v2_smem.index(stage), HEAD_DIM2)
-            if TAIL_KEYS > 0:
-                tma_load(v_tail_desc, [v_row + kv_start + BLOCK_N - TAIL_KEYS, v_col], v_ready.index(stage),
-                         v_tail_smem.index(stage))
             loads += 1
         i += 1
 
@@ -357,27 +296,21 @@ def _producer(load_args, MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, RAGGE
 def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, IS_CAUSAL: gl.constexpr,
               MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SCORE_ROW: gl.constexpr,
               RAGGED_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr, BLOCK_N: gl.constexpr,
-              TAIL_KEYS: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
+              SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """For each work item, rows [WG * 64, WG * 64 + 64) of its query tile: the online softmax over the key
     tiles the producer loads, then o (O seen as (rows, HEAD_DIM + HEAD_DIM2)) and the lse. With HEAD_DIM2, the
-    output's second part accumulates in acc2 (0.0 without); with TAIL_KEYS the tile's second part of keys has its
-    scores s_tail and probabilities p_tail_op (0.0 without). ``shared``: the kernel's arguments the consumers take
+    output's second part accumulates in acc2 (0.0 without). ``shared``: the kernel's arguments the consumers take
     (``_attn_fwd_gluon``)."""
-    (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, k_tail_smem, v_tail_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+    (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
      FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS, MODS, stride_num_b, stride_num_h, stride_num_m,
      stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale) = shared
     HALF_M: gl.constexpr = q_smem.type.shape[1]
     WARPGROUPS: gl.constexpr = q_smem.type.shape[0]
     K_EARLY: gl.constexpr = STAGES < 3
-    # wgmma groups of a P V, which may stay in flight
-    PV_GROUPS: gl.constexpr = 2 if HEAD_DIM2 > 0 or TAIL_KEYS > 0 else 1
-    HEAD_N: gl.constexpr = BLOCK_N - TAIL_KEYS  # keys of a tile's first part (all of them without TAIL_KEYS)
+    PV_GROUPS: gl.constexpr = 2 if HEAD_DIM2 > 0 else 1  # wgmma groups of a P V, which may stay in flight
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_N, 16])
-    # the second part of keys' (a placeholder width without one, unused)
-    tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                          instr_shape=[16, TAIL_KEYS if TAIL_KEYS > 0 else 16, 16])
+                                                       instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     # the second part's (a placeholder width without one, unused)
@@ -400,16 +333,9 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
     q2 = q2_smem.index(WG)
     rows_s = WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
     rows_o = WG * HALF_M + gl.arange(0, HALF_M, layout=row_o)
-    offs_n = gl.arange(0, HEAD_N, layout=gl.SliceLayout(0, s_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    zero_s = gl.zeros([HALF_M, HEAD_N], gl.float32, s_layout)
-    rows_tail = 0
-    offs_tail = 0
-    zero_tail = 0.0
-    if TAIL_KEYS > 0:
-        rows_tail = WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, tail_layout))
-        offs_tail = HEAD_N + gl.arange(0, TAIL_KEYS, layout=gl.SliceLayout(0, tail_layout))
-        zero_tail = gl.zeros([HALF_M, TAIL_KEYS], gl.float32, tail_layout)
+    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     turn = n_items  # a value the named barriers pass along, which orders them among the products
     used = 0  # key tiles consumed so far: the ring's position
     i = 0  # work items so far: the phase of q_ready
@@ -438,32 +364,20 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
         mbarrier.wait(q_ready, i & 1)
         mbarrier.wait(k_ready.index(used % STAGES), (used // STAGES) & 1)
         turn = named_sync(MY_TURN, turn)
-        s, s_tail = _issue_scores(q, q2, k_smem.index(used % STAGES), k2_smem.index(used % STAGES),
-                                  k_tail_smem.index(used % STAGES), zero_s, zero_tail, HEAD_DIM2, TAIL_KEYS)
+        s = issue_abt(q, q2, k_smem.index(used % STAGES), k2_smem.index(used % STAGES), zero_s, HEAD_DIM2)
         turn = named_arrive(THEIR_TURN, turn)
-        if TAIL_KEYS > 0:
-            s, s_tail = warpgroup_mma_wait(0, deps=(s, s_tail))
-        else:
-            s = warpgroup_mma_wait(0, deps=(s,))
+        s = warpgroup_mma_wait(0, deps=(s,))
         if K_EARLY:
             mbarrier.arrive(k_empty.index(used % STAGES))
         s, shift = _scores(s, 0, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_len, kv_end, keys,
                            key_term, qk_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS,
                            RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_N)
-        if TAIL_KEYS > 0:  # (no score function: no shift)
-            s_tail = _scores(s_tail, 0, n_full, b, h, q_start, q_start + rows_tail, offs_tail, full_idx, part_idx,
-                             kv_len, kv_end, keys, key_term, qk_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD,
-                             SCORE_MOD, SCORE_KEYS, RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_N)[0]
         if MAY_BE_EMPTY:
             if n_tiles == 0:  # the producer loaded tile 0 all the same
                 s = gl.full_like(s, float("-inf"))
-                if TAIL_KEYS > 0:
-                    s_tail = gl.full_like(s_tail, float("-inf"))
-        m_i = _with_tail_max(_tile_max(s, shift, SCORE_KEYS is not None), s_tail, TAIL_KEYS)
-        m_scaled = _safe_max(m_i, MAY_BE_EMPTY) * soft_scale - shift
-        p = gl.exp2(s * soft_scale - m_scaled[:, None])
+        m_i = _tile_max(s, shift, SCORE_KEYS is not None)
+        p = gl.exp2(s * soft_scale - (_safe_max(m_i, MAY_BE_EMPTY) * soft_scale - shift)[:, None])
         l_i = gl.sum(p, 1)
-        p_tail_op, l_i = _tail_probabilities(s_tail, m_scaled, soft_scale, l_i, p_layout, q.dtype, TAIL_KEYS)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
         acc2 = 0.0
@@ -477,33 +391,21 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
             stage = tile % STAGES
             prev = (tile - 1) % STAGES
             turn = named_sync(MY_TURN, turn)
-            s, s_tail = _issue_scores(q, q2, k_smem.index(stage), k2_smem.index(stage), k_tail_smem.index(stage),
-                                      zero_s, zero_tail, HEAD_DIM2, TAIL_KEYS)
+            s = issue_abt(q, q2, k_smem.index(stage), k2_smem.index(stage), zero_s, HEAD_DIM2)
             mbarrier.wait(v_ready.index(prev), ((tile - 1) // STAGES) & 1)
-            acc, acc2 = _issue_pv(p_op, p2_op, p_tail_op, v_smem.index(prev), v2_smem.index(prev),
-                                  v_tail_smem.index(prev), acc, acc2, HEAD_DIM2, TAIL_KEYS)
+            acc, acc2 = issue_pv(p_op, p2_op, v_smem.index(prev), v2_smem.index(prev), acc, acc2, HEAD_DIM2)
             turn = named_arrive(THEIR_TURN, turn)
-            if TAIL_KEYS > 0:
-                s, s_tail = warpgroup_mma_wait(PV_GROUPS, deps=(s, s_tail))
-            else:
-                s = warpgroup_mma_wait(PV_GROUPS, deps=(s,))
+            s = warpgroup_mma_wait(PV_GROUPS, deps=(s,))
             if K_EARLY:
                 mbarrier.arrive(k_empty.index(stage))
             s, shift = _scores(s, j, n_full, b, h, q_start, offs_m, offs_n, full_idx, part_idx, kv_len, kv_end,
                                keys, key_term, qk_scale, MODS, MASK_KIND, IS_CAUSAL, MASK_MOD, SCORE_MOD,
                                SCORE_KEYS, RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_N)
-            if TAIL_KEYS > 0:
-                s_tail = _scores(s_tail, j, n_full, b, h, q_start, q_start + rows_tail, offs_tail, full_idx,
-                                 part_idx, kv_len, kv_end, keys, key_term, qk_scale, MODS, MASK_KIND, IS_CAUSAL,
-                                 MASK_MOD, SCORE_MOD, SCORE_KEYS, RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N,
-                                 SPARSE_BLOCK_N)[0]
-            m_new = gl.maximum(m_i, _with_tail_max(_tile_max(s, shift, SCORE_KEYS is not None), s_tail, TAIL_KEYS))
+            m_new = gl.maximum(m_i, _tile_max(s, shift, SCORE_KEYS is not None))
             m_use = _safe_max(m_new, MAY_BE_EMPTY)
             alpha = gl.exp2((m_i - m_use) * soft_scale)
-            m_scaled = m_use * soft_scale - shift
-            p = gl.exp2(s * soft_scale - m_scaled[:, None])
+            p = gl.exp2(s * soft_scale - (m_use * soft_scale - shift)[:, None])
             l_i = l_i * alpha + gl.sum(p, 1)
-            p_tail_new, l_i = _tail_probabilities(s_tail, m_scaled, soft_scale, l_i, p_layout, q.dtype, TAIL_KEYS)
             m_i = m_new
             # the next key tile's wait sits here: its branch keeps ptxas from hoisting the PV wait above the
             # softmax
@@ -515,20 +417,16 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
                     0, deps=(acc, acc2, p_op, p2_op, p_new, alpha_o, l_i))
                 acc2 = acc2 * gl.convert_layout(alpha, row_o2)[:, None]
                 p2_op = gl.convert_layout(p_new, p2_layout)
-            elif TAIL_KEYS > 0:
-                acc, p_op, p_tail_op, p_new, p_tail_new, alpha_o, l_i = warpgroup_mma_wait(
-                    0, deps=(acc, p_op, p_tail_op, p_new, p_tail_new, alpha_o, l_i))
             else:
                 acc, p_op, p_new, alpha_o, l_i = warpgroup_mma_wait(0, deps=(acc, p_op, p_new, alpha_o, l_i))
             mbarrier.arrive(v_empty.index(prev))  # done with V of tile j - 1 (and K, unless K_EARLY)
             acc = acc * alpha_o[:, None]
             p_op = p_new
-            p_tail_op = p_tail_new
         mbarrier.arrive(q_empty)  # every product with Q is done: the producer may load the next item's
         last = used + n_loads - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        acc, acc2 = _issue_pv(p_op, p2_op, p_tail_op, v_smem.index(last % STAGES), v2_smem.index(last % STAGES),
-                              v_tail_smem.index(last % STAGES), acc, acc2, HEAD_DIM2, TAIL_KEYS)
+        acc, acc2 = issue_pv(p_op, p2_op, v_smem.index(last % STAGES), v2_smem.index(last % STAGES), acc, acc2,
+                             HEAD_DIM2)
         if HEAD_DIM2 > 0:
             acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
         else:
@@ -563,27 +461,25 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
 
 
 @gluon.jit(do_not_specialize=[*ROW_LENGTH_ARGS, "n_items"])
-def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, k_tail_desc, v_tail_desc, O, LSE, FULL_NUM,
-                    FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS, MODS,
+def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+                    SCHEDULE, KEY_LENGTHS, MODS,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                     stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
                     heads, groups, q_len, kv_len, n_items, num_programs, qk_scale,
                     MASK_KIND: gl.constexpr, SCHEDULED: gl.constexpr, IS_CAUSAL: gl.constexpr,
                     MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
                     SCORE_ROW: gl.constexpr, RAGGED_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr,
-                    BLOCK_N: gl.constexpr, TAIL_KEYS: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
-                    SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
-                    STAGES: gl.constexpr, WARPGROUPS: gl.constexpr):
+                    BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, WARPGROUPS: gl.constexpr):
     """The program's work items (batch, head, query tile) (``work_schedule.program_items``, ``_work_item``). q/k/v_desc
     read Q, K, V as ``row_view`` matrices (rows of pitch stride_*m, element (b, h, s, 0) at row (b * stride_b + h *
-    stride_h) // pitch + s and column (...) % pitch) in boxes of HEAD_DIM columns (K's and V's of a tile's first part of
-    keys), q2/k2/v2_desc the HEAD_DIM2 columns after them, k/v_tail_desc K's and V's boxes of a tile's TAIL_KEYS keys
-    (the same descriptors, unused, without a second part); O (B, H, q_len, HEAD_DIM + HEAD_DIM2) and LSE (B,
+    stride_h) // pitch + s and column (...) % pitch) in boxes of HEAD_DIM columns, q2/k2/v2_desc the HEAD_DIM2 columns
+    after them (the same descriptors, unused, without a second part); O (B, H, q_len, HEAD_DIM + HEAD_DIM2) and LSE (B,
     H, q_len) are contiguous; KEY_LENGTHS (B,) int32 with HAS_KEY_LENGTHS (a placeholder without)."""
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [WARPGROUPS, HALF_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N - TAIL_KEYS, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N - TAIL_KEYS, HEAD_DIM], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     if HEAD_DIM2 > 0:
         q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [WARPGROUPS, HALF_M, HEAD_DIM2], q2_desc.layout)
         k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM2], k2_desc.layout)
@@ -592,12 +488,6 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, k_tail_de
         q2_smem = q_smem
         k2_smem = k_smem
         v2_smem = v_smem
-    if TAIL_KEYS > 0:
-        k_tail_smem = gl.allocate_shared_memory(k_tail_desc.dtype, [STAGES, TAIL_KEYS, HEAD_DIM], k_tail_desc.layout)
-        v_tail_smem = gl.allocate_shared_memory(v_tail_desc.dtype, [STAGES, TAIL_KEYS, HEAD_DIM], v_tail_desc.layout)
-    else:  # no second part of keys: the first's buffers, as above
-        k_tail_smem = k_smem
-        v_tail_smem = v_smem
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -614,12 +504,12 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, k_tail_de
 
     # the partitions' arguments but their constexprs (and the consumers' warpgroup), which are passed inline: a
     # tuple variable holding them would lose their constness
-    shared = (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, k_tail_smem, v_tail_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+    shared = (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS, MODS, stride_num_b, stride_num_h,
               stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs,
               qk_scale)
-    load_args = (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, k_tail_desc, v_tail_desc, q_smem, k_smem, v_smem,
-                 q2_smem, k2_smem, v2_smem, k_tail_smem, v_tail_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE,
+    load_args = (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem,
+                 q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE,
                  KEY_LENGTHS, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
                  stride_vn, stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads,
                  groups, q_len, kv_len, n_items, num_programs)
@@ -633,27 +523,27 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, k_tail_de
     if WARPGROUPS == 3:
         gl.warp_specialize([
             (_consumer, (shared, 0, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, TAIL_KEYS, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM,
-                         HEAD_DIM2, STAGES)),
+                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
+                         STAGES)),
             (_consumer, (shared, 1, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, TAIL_KEYS, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM,
-                         HEAD_DIM2, STAGES)),
+                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
+                         STAGES)),
             (_consumer, (shared, 2, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, TAIL_KEYS, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM,
-                         HEAD_DIM2, STAGES)),
-            (_producer, (load_args, MASK_KIND, SCHEDULED, RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, TAIL_KEYS,
-                         SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
+                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
+                         STAGES)),
+            (_producer, (load_args, MASK_KIND, SCHEDULED, RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M,
+                         SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
         ], [4, 4, 1], [160, 160, 24])
     else:
         gl.warp_specialize([
             (_consumer, (shared, 0, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, TAIL_KEYS, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM,
-                         HEAD_DIM2, STAGES)),
+                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
+                         STAGES)),
             (_consumer, (shared, 1, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
-                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, TAIL_KEYS, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM,
-                         HEAD_DIM2, STAGES)),
-            (_producer, (load_args, MASK_KIND, SCHEDULED, RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, TAIL_KEYS,
-                         SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
+                         RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
+                         STAGES)),
+            (_producer, (load_args, MASK_KIND, SCHEDULED, RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M,
+                         SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
         ], [4, 1], [240, 24])
 
 
@@ -693,28 +583,15 @@ def warpgroups(kind: MaskKind, head_dim: int, functions: bool, q_len: int) -> in
 FORWARD_GLUON = Launcher(_attn_fwd_gluon)
 
 
-def key_parts(kind: MaskKind, head_dim: int, functions: bool, kv_len: int) -> tuple[int, int]:
-    """(keys of a key tile, keys of its second part or 0): WIDE_KEYS's for DENSE masks without a mask or score
-    function (``functions``) on rows of at least such a tile, else KEY_TILE's in one part. On an H200 (dense hd128,
-    16k tokens) 64-key tiles ran the forward 1.09-1.16x as long as 128-key tiles, what a tile costs besides its
-    products spread over half the keys; two stages of 128 keys ran as fast as three (0.97-1.02x)."""
-    wide = WIDE_KEYS.get(head_dim)
-    if wide and kind is MaskKind.DENSE and not functions and kv_len >= wide[0]:
-        return wide
-    return KEY_TILE[head_dim], 0
-
-
 @functools.lru_cache(maxsize=None)
 def _constexprs(mask_kind: int, scheduled: bool, causal: bool, sparse_block: tuple[int, int], head_dim: int,
-                parts: tuple[int, int], key_tile: tuple[int, int], mods: tuple, warpgroups: int, ragged_keys: bool,
-                key_lengths: bool) -> dict:
+                parts: tuple[int, int], mods: tuple, warpgroups: int, ragged_keys: bool, key_lengths: bool) -> dict:
     mask_mod, score_mod, score_keys, score_row = mods
     first, second = parts
     return dict(MASK_KIND=mask_kind, SCHEDULED=scheduled, IS_CAUSAL=causal, MASK_MOD=mask_mod, SCORE_MOD=score_mod,
                 SCORE_KEYS=score_keys, SCORE_ROW=score_row, RAGGED_KEYS=ragged_keys, HAS_KEY_LENGTHS=key_lengths,
-                BLOCK_N=key_tile[0], TAIL_KEYS=key_tile[1], SPARSE_BLOCK_M=sparse_block[0],
-                SPARSE_BLOCK_N=sparse_block[1], HEAD_DIM=first, HEAD_DIM2=second,
-                STAGES=WIDE_STAGES if key_tile[1] else STAGES[head_dim], WARPGROUPS=warpgroups, num_warps=4)
+                BLOCK_N=KEY_TILE[head_dim], SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1],
+                HEAD_DIM=first, HEAD_DIM2=second, STAGES=STAGES[head_dim], WARPGROUPS=warpgroups, num_warps=4)
 
 
 def launch(plan, q, k, v, o, lse, key_lengths: torch.Tensor, mods: torch.Tensor, ahead: bool = False) -> bool:
@@ -740,18 +617,15 @@ def _arguments(plan, q, k, v, o, lse, key_lengths: torch.Tensor, mods: torch.Ten
     rows = gluon_tools.layout_rows(plan.per_layout.setdefault("gluon", {}), (q, k, v))
     if None in rows:
         return None
-    key_tile, tail = key_parts(plan.kind, q.shape[3], plan.functions, plan.kv_len)
+    key_tile = KEY_TILE[q.shape[3]]
     # the head dim's parts (``plan.head_dim_parts``; KEY_TILE lists none with a padded part): a box per part of
-    # each of q, k, v, the first part's again where there is no second; then K's and V's boxes of a key tile's
-    # second part (TAIL_KEYS), K's and V's again where there is none
+    # each of q, k, v, the first part's again where there is no second
     parts = plan.head_dim_parts["HEAD_DIM"], plan.head_dim_parts["HEAD_DIM2"]
-    boxes = list(zip((q, k, v), rows, (HALF_M, key_tile - tail, key_tile - tail)))
+    boxes = list(zip((q, k, v), rows, (HALF_M, key_tile, key_tile)))
     descriptors = [row_view(x, x_rows, box_rows, width) for width in parts if width
                    for x, x_rows, box_rows in boxes]
     if not parts[1]:
         descriptors *= 2
-    descriptors += ([row_view(x, x_rows, tail, parts[0]) for x, x_rows in zip((k, v), rows[1:])] if tail
-                    else descriptors[1:3])
     tables, table_strides = plan.tables_of("kv")
     consumers = warpgroups(plan.kind, q.shape[3], plan.functions, plan.q_len)
     n_items = plan.batch * plan.heads * math.ceil(plan.q_len / (consumers * HALF_M))
@@ -762,8 +636,7 @@ def _arguments(plan, q, k, v, o, lse, key_lengths: torch.Tensor, mods: torch.Ten
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *table_strides, plan.heads, plan.groups,
              plan.q_len, plan.kv_len, n_items, programs, plan.qk_scale),
             _constexprs(KIND_CODES[plan.kind], schedule is not None, plan.causal, plan.sparse_block, q.shape[3],
-                        parts, (key_tile, tail), (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row),
-                        consumers,
+                        parts, (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row), consumers,
                         plan.kv_len % key_tile != 0, plan.has_key_lengths))
 
 
