@@ -183,6 +183,24 @@ def test_a_replay_launches_one_by_one_inside_a_callers_capture(log, graphs, monk
     assert graphs == [] and [entry[0] for entry in log] == ["direct"] * 3
 
 
+def test_a_call_kept_inside_a_callers_capture_makes_no_buffer(log, monkeypatch):
+    """A call that settles inside the caller's capture (torch.compile's reduce-overhead) is kept where no copied
+    slot holds a tensor of the call (nothing is made for it), and not where one does: the buffers cannot be made
+    there (on a GPU ``made_outside_graph_pools`` raises inside a capture), so a later call keeps it."""
+    def refused(make, device):
+        raise RuntimeError("made inside a capture")
+
+    monkeypatch.setattr(replay, "made_outside_graph_pools", refused)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    (placeholder,), (a, out) = _tensors(1), _tensors(2)
+    lengths = torch.randint(0, 64, (4,), dtype=torch.int32)
+    without = (a, out, placeholder)
+    assert isinstance(replay.Replay.of(_recorded(log, (0, (3,), without, ())), without, (placeholder,), copied=1),
+                      replay.Replay)
+    with_lengths = (a, out, lengths)
+    assert replay.Replay.of(_recorded(log, (0, (3,), with_lengths, ())), with_lengths, (placeholder,), copied=1) is None
+
+
 def test_a_replay_keeps_its_latest_graphs(log, graphs, monkeypatch):
     """At most GRAPHS_KEPT graphs: the least recently launched is dropped (its tensors' next calls are seen anew)."""
     monkeypatch.setattr(replay, "GRAPHS_KEPT", 2)

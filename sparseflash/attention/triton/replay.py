@@ -108,8 +108,10 @@ class Replay:
         placed = len(slots) - copied
         # (a copied slot that holds a plan's tensor, the placeholder of absent key lengths, is a constant)
         copies = [i for i in range(placed, len(slots)) if index[id(slots[i])] == i]
-        if copies and torch.cuda.is_current_stream_capturing():
-            return None  # (the buffers cannot be made inside a caller's capture)
+        if not copies:
+            return cls(steps, list(constants), outcome, placed)
+        if torch.cuda.is_current_stream_capturing():
+            return None  # (a caller's capture, torch.compile's reduce-overhead: its buffers cannot be made there)
         buffers = made_outside_graph_pools(lambda: [torch.empty_like(slots[i]) for i in copies], slots[0].device)
         return cls(steps, list(constants), outcome, placed, tuple(zip(copies, buffers)))
 
