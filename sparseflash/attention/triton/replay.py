@@ -149,18 +149,18 @@ class Replay:
         replay that stopped capturing)."""
         key = addresses[:self._placed]
         with _GRAPHS_LOCK:  # (two threads' calls: one capture at a time on the side stream, and whole bookkeeping)
-            kept = self._graphs.get(key)
-            if kept is None and key not in self._seen:
+            graph = self._graphs.get(key)
+            if graph is None and key not in self._seen:
                 self._seen[key] = None
                 if len(self._seen) > SEEN_KEPT:
                     self._seen.popitem(last=False)
                 return None
             if torch.cuda.is_current_stream_capturing():
                 return None
-            if kept is not None:
+            if graph is not None:
                 self._graphs.move_to_end(key)
                 self._graph_hits += 1
-                return kept
+                return graph
             if self._captures >= 2 * GRAPHS_KEPT and self._graph_hits < self._captures:
                 self._graphed = False  # more address tuples recur than it keeps graphs of: captures are not repaid
                 return None
