@@ -537,8 +537,9 @@ def test_what_the_gluon_kernels_take(case, forward, backward, monkeypatch):
 
 
 def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
-    """"auto" takes the Gluon forward from the mean row keys of its table (AUTO_ROW_KEYS, or AUTO_ROW_KEYS_THREE where
-    three consumer warpgroups run: head dims 48 and 64, DENSE and CAUSAL masks without functions), "1" always, "0"
+    """"auto" takes the Gluon forward from the mean row keys of its table (AUTO_ROW_KEYS; AUTO_ROW_KEYS_THREE where
+    three consumer warpgroups run: head dims 48 and 64, DENSE and CAUSAL masks without functions; AUTO_ROW_KEYS_STAGED
+    where two store o through shared memory without functions: head dim 128, DENSE and CAUSAL), "1" always, "0"
     never."""
     mask = make("dense", 256)
     many, few = forward_gluon.AUTO_ROW_KEYS[128, False], forward_gluon.AUTO_ROW_KEYS[128, False] - 128
@@ -549,6 +550,8 @@ def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
             pattern = make("causal" if is_causal else "dense", q_len)
             if forward_gluon.warpgroups(pattern.kind, dim, functions, q_len) == 3:
                 keys = forward_gluon.AUTO_ROW_KEYS_THREE[dim, is_causal]
+            elif not functions and forward_gluon.o_stored_staged(pattern.kind, dim, q_len, q_len):
+                keys = forward_gluon.AUTO_ROW_KEYS_STAGED.get((dim, is_causal), keys)
             assert forward_gluon.applies(*inputs[dim], pattern, keys, False, False, functions)
             assert not forward_gluon.applies(*inputs[dim], pattern, keys - 64, False, False,
                                              functions), (dim, is_causal, functions, q_len)
@@ -559,6 +562,12 @@ def test_gluon_choice_auto_takes_rows_of_many_keys_and_0_none(monkeypatch):
     assert not forward_gluon.applies(*_plan_inputs(384, 384, 64), dense_384, keys_64, False, False, True)
     assert not forward_gluon.applies(*_plan_inputs(256, 256, 64), mask, keys_64, False, False, False)
     assert set(forward_gluon.AUTO_ROW_KEYS) == {(dim, c) for dim in forward_gluon.KEY_TILE for c in (False, True)}
+    # at hd128 dense rows store o through shared memory from fewer keys than SPARSE rows, which keep AUTO_ROW_KEYS
+    keys_128, random_256 = forward_gluon.AUTO_ROW_KEYS_STAGED[128, False], make("random", 256, block=128, density=0.5)
+    assert keys_128 < forward_gluon.AUTO_ROW_KEYS[128, False]
+    assert forward_gluon.applies(*_plan_inputs(256, 256, 128), mask, keys_128, False, False, False)
+    assert not forward_gluon.applies(*_plan_inputs(256, 256, 128), random_256, keys_128, False, False, False)
+    assert not forward_gluon.applies(*_plan_inputs(256, 256, 128), mask, keys_128, False, False, True)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "1")
     assert forward_gluon.applies(*_plan_inputs(), mask, few, False, False, False)
     monkeypatch.setenv("SPARSEFLASH_GLUON", "0")
@@ -594,6 +603,31 @@ def test_the_gluon_forward_takes_three_consumers_at_head_dims_48_and_64(case, di
     n_items = scalars[-3]  # (..., q_len, kv_len, n_items, programs, qk_scale)
     assert scalars[-5:-3] == (q_len, q_len) and n_items == 2 * 4 * items and grid[0] <= n_items
 
+
+
+@pytest.mark.parametrize("case, dim, q_len, kv_len, staged, stages", [
+    ("dense", 128, 512, 512, True, 2), ("causal", 128, 256, 8192, True, 2), ("dense", 128, 512, 8320, False, 3),
+    ("dense", 128, 700, 700, False, 3), ("causal", 128, 320, 512, True, 2), ("random", 128, 512, 512, False, 3),
+    ("dense", 64, 4096, 4096, True, 4), ("dense", 256, 512, 512, False, 2), ("dense", 96, 512, 512, False, 3)],
+    ids=str)
+def test_the_gluon_forward_stores_o_through_shared_memory_on_rows_up_to_8192_keys(case, dim, q_len, kv_len, staged,
+                                                                                  stages):
+    """O_STAGED (o by TMA from a shared buffer a consumer) for DENSE and CAUSAL masks at head dims 64 and 128, rows of at
+    most O_STAGED_KEYS keys and q_len a multiple of 64, with the K/V buffers of O_STAGED_STAGES (two at 128, against
+    three); o_desc reads o in 64-row boxes of its B * H * q_len rows; else q's descriptor stands in for it."""
+    q = torch.randn(2, 4, q_len, dim, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, kv_len, dim, dtype=torch.bfloat16)
+    mask = make(case, q_len, kv_len, **({"density": 0.5} if case == "random" else {}))
+    plan = LaunchPlan(q, k, mask, False, dim ** -0.5, None)
+    o = torch.empty_like(q)
+    grid, tensors, scalars, constexprs = forward_gluon._arguments(
+        plan, q, k, k, o, torch.empty(q.shape[:3]), plan.key_lengths_arg(None), plan.mods_table(plan.captures(None)))
+    assert (constexprs["O_STAGED"], constexprs["STAGES"]) == (staged, stages)
+    o_desc = tensors[6]  # after q, k, v and their second parts' descriptors
+    if staged:
+        assert o_desc.base is o and list(o_desc.shape) == [2 * 4 * q_len, dim] and list(o_desc.block_shape) == [64, dim]
+    else:
+        assert o_desc is tensors[0]
 
 def _unequal_rows(q_len: int, kv_len: int, heads: int):
     """128 x 128 blocks, row r of each head holding r + 1 random blocks (the longest over UNEQUAL_LINES times the

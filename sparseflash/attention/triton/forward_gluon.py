@@ -43,6 +43,9 @@ Constexpr flags:
                  wait above the softmax): with 3 or more buffers K_{j+1} goes where tile j-2 was; with 2
                  (head dims 160 and 256, whose Q and 80 or 64 KiB a stage leave room for no third), K_EARLY.
   WARPGROUPS     consumer warpgroups (``warpgroups``), each 64 rows of the query tile.
+  O_STAGED       each consumer stores its rows of o into a shared buffer of its own and TMA writes them (o_desc: 64-row
+                 boxes of o seen as B * H * q_len rows; a consumer whose rows are all past q_len stores none, so q_len
+                 is a multiple of 64), not from registers (``O_STAGED_STAGES``).
   K_EARLY        STAGES < 3: K's buffer of tile j is released as soon as S_j is computed, so that K_{j+1}
                  can load into tile j-1's while P_{j-1} V_{j-1} still reads V_{j-1}.
 
@@ -71,11 +74,11 @@ import math
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, key_end, listed_walk, load_box, moved_back,
-                                                      named_arrive, named_sync, row_view, row_view_coords,
+                                                      named_arrive, named_sync, row_view, row_view_coords, tma_store,
                                                       walk_before, walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, multiprocessors
 from sparseflash.attention.triton.plan import KIND_CODES
@@ -105,9 +108,15 @@ AUTO_ROW_KEYS = {(128, True): 512, (128, False): 2048, (64, True): 4096, (64, Fa
                  (192, False): 1024}
 # Head dims whose DENSE and CAUSAL query tiles without functions take three consumer warpgroups (``warpgroups``), and
 # "auto"'s thresholds for them, as AUTO_ROW_KEYS's. Head dim 64 (H200): DENSE 1.14-1.22x the Triton forward from
-# 2,048 keys, 1.01x at 1,024; CAUSAL 0.94x at 2,048 keys on average (S=4096). Head dim 48 keeps two's thresholds
-# (three ran its DENSE rows 1.16x as fast as two at 4,096 keys and more)
-AUTO_ROW_KEYS_THREE = {(64, True): 4096, (64, False): 2048, (48, True): 2048, (48, False): 1024}
+# 2,048 keys, 1.01x at 1,024, and with o stored through shared memory (O_STAGED) 1.21x at 2,048, 1.07x at 1,024;
+# CAUSAL 0.94x at 2,048 keys on average (S=4096). Head dim 48 keeps two's thresholds (three ran its DENSE rows 1.16x
+# as fast as two at 4,096 keys and more)
+AUTO_ROW_KEYS_THREE = {(64, True): 4096, (64, False): 1024, (48, True): 2048, (48, False): 1024}
+# "auto"'s thresholds where two consumers store o through shared memory (O_STAGED, ``o_stored_staged``; three take
+# AUTO_ROW_KEYS_THREE) and no function comes with the mask (not measured with one). Head dim 128 (H200, forward alone,
+# against the Triton forward): DENSE 1.07x at 256 keys, 1.09-1.16x at 512-2,048; CAUSAL 1.17x at 128 keys on average
+# (S=256), 1.17-1.39x at 256-1,024
+AUTO_ROW_KEYS_STAGED = {(128, True): 128, (128, False): 256}
 # How many more rows three consumers' 192-row tiles may compute than two's 128-row tiles, as a share of two's: a row
 # took ~0.85x the time with three (hd64 and hd48 dense, H200), and q_len 192-1,536 against 8,192 keys ran
 # three/two = 0.85 x that ratio of rows (256 queries, 384 rows against 256: 1.23x; 640, 768 against 640: 1.01x; 512,
@@ -118,6 +127,16 @@ THREE_PADDING = 0.125
 # 1.05-1.06x the time; as 1, hd64 S=2304 1.09-1.10x (one program then took 64 of the shortest items, the others
 # 12-24; not understood further); as 0.5, 0.93-1.00x everywhere measured (hd64 and hd128, S 2304-16384)
 ITEM_COST = 0.5
+# Head dims whose consumers store o through shared memory by TMA (O_STAGED; DENSE and CAUSAL masks), and the K/V
+# buffers they keep then, on rows of at most O_STAGED_KEYS keys. From registers, a warpgroup's o (64 x 128 bf16) took
+# 32 four-byte stores a thread (a warp's store: 16 bytes in each of eight rows), and clock stamps put 3,000-5,000
+# cycles between the wait for its last product and the end of its stores (H200, hd128, S=512-16384): a fifth to a
+# third of a short item. Through shared memory (H200, forward alone, against registers): hd128 0.86-0.94x the time at
+# S=512-2048, 0.95-0.97x at 4096; hd64 0.93-0.98x at 1024-4096. The buffers (16 KiB a consumer at hd128) leave room
+# for two K/V stages of 128 keys only, against three, and at S=16384 the third paid more (causal 1.03x the time
+# staged): long rows keep it
+O_STAGED_STAGES = {64: 4, 128: 2}
+O_STAGED_KEYS = 8192
 
 
 @gluon.jit
@@ -297,14 +316,15 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
               MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, SCORE_ROW: gl.constexpr,
               RAGGED_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr, BLOCK_N: gl.constexpr,
               SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
+              HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, O_STAGED: gl.constexpr):
     """For each work item, rows [WG * 64, WG * 64 + 64) of its query tile: the online softmax over the key
-    tiles the producer loads, then o (O seen as (rows, HEAD_DIM + HEAD_DIM2)) and the lse. With HEAD_DIM2, the
-    output's second part accumulates in acc2 (0.0 without). ``shared``: the kernel's arguments the consumers take
-    (``_attn_fwd_gluon``)."""
+    tiles the producer loads, then o (O seen as (rows, HEAD_DIM + HEAD_DIM2); with O_STAGED through o_smem's
+    buffer WG and o_desc) and the lse. With HEAD_DIM2, the output's second part accumulates in acc2 (0.0 without).
+    ``shared``: the kernel's arguments the consumers take (``_attn_fwd_gluon``)."""
     (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-     FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS, MODS, stride_num_b, stride_num_h, stride_num_m,
-     stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs, qk_scale) = shared
+     o_desc, o_smem, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS, MODS, stride_num_b, stride_num_h,
+     stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs,
+     qk_scale) = shared
     HALF_M: gl.constexpr = q_smem.type.shape[1]
     WARPGROUPS: gl.constexpr = q_smem.type.shape[0]
     K_EARLY: gl.constexpr = STAGES < 3
@@ -443,8 +463,16 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
         # past q_len read whatever rows follow in memory, or TMA's zeros past the tensor's end, and are not stored;
         # each row's softmax and products are its own)
         out_row = bh * q_len + q_start
-        out_rows = (out_row + rows_o).to(gl.int64)[:, None] * (HEAD_DIM + HEAD_DIM2)
-        gl.store(O + out_rows + cols[None, :], o.to(O.dtype.element_ty), mask=(q_start + rows_o < q_len)[:, None])
+        if O_STAGED:
+            o_buffer = o_smem.index(WG)
+            tma.store_wait(0)  # the last item's store has read the buffer
+            o_buffer.store(o.to(O.dtype.element_ty))
+            fence_async_shared()
+            if q_start + WG * HALF_M < q_len:
+                tma_store(o_desc, [out_row + WG * HALF_M, 0], o_buffer)
+        else:
+            out_rows = (out_row + rows_o).to(gl.int64)[:, None] * (HEAD_DIM + HEAD_DIM2)
+            gl.store(O + out_rows + cols[None, :], o.to(O.dtype.element_ty), mask=(q_start + rows_o < q_len)[:, None])
         if HEAD_DIM2 > 0:
             o2 = acc2 / gl.convert_layout(l_o, row_o2)[:, None]
             cols2 = HEAD_DIM + gl.arange(0, HEAD_DIM2, layout=gl.SliceLayout(0, o2_layout))
@@ -456,13 +484,15 @@ def _consumer(shared, WG: gl.constexpr, MASK_KIND: gl.constexpr, SCHEDULED: gl.c
         # the turn value joins the stores, so the named barriers are not dead code
         gl.store(LSE + out_row + rows_s, lse + (turn * 0).to(gl.float32), mask=offs_m < q_len)
         i += 1
+    if O_STAGED:
+        tma.store_wait(0)  # the buffer read before the program ends
     if WG == 0:
         turn = named_sync(8, turn)  # the last warpgroup's last arrival, so that the barrier counts balance
 
 
 @gluon.jit(do_not_specialize=[*ROW_LENGTH_ARGS, "n_items"])
-def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
-                    SCHEDULE, KEY_LENGTHS, MODS,
+def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, o_desc, O, LSE, FULL_NUM, FULL_IDX, PART_NUM,
+                    PART_IDX, SCHEDULE, KEY_LENGTHS, MODS,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                     stride_num_b, stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m,
                     heads, groups, q_len, kv_len, n_items, num_programs, qk_scale,
@@ -470,12 +500,14 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
                     MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
                     SCORE_ROW: gl.constexpr, RAGGED_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr,
                     BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, WARPGROUPS: gl.constexpr):
+                    HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, WARPGROUPS: gl.constexpr,
+                    O_STAGED: gl.constexpr):
     """The program's work items (batch, head, query tile) (``work_schedule.program_items``, ``_work_item``). q/k/v_desc
     read Q, K, V as ``row_view`` matrices (rows of pitch stride_*m, element (b, h, s, 0) at row (b * stride_b + h *
     stride_h) // pitch + s and column (...) % pitch) in boxes of HEAD_DIM columns, q2/k2/v2_desc the HEAD_DIM2 columns
     after them (the same descriptors, unused, without a second part); O (B, H, q_len, HEAD_DIM + HEAD_DIM2) and LSE (B,
-    H, q_len) are contiguous; KEY_LENGTHS (B,) int32 with HAS_KEY_LENGTHS (a placeholder without)."""
+    H, q_len) are contiguous, o_desc reads O as B * H * q_len rows in boxes of 64 (O_STAGED; q_desc without);
+    KEY_LENGTHS (B,) int32 with HAS_KEY_LENGTHS (a placeholder without)."""
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [WARPGROUPS, HALF_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -488,6 +520,10 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
         q2_smem = q_smem
         k2_smem = k_smem
         v2_smem = v_smem
+    if O_STAGED:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [WARPGROUPS, HALF_M, HEAD_DIM], o_desc.layout)
+    else:  # a stand-in nothing reads
+        o_smem = q_smem
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -505,9 +541,9 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
     # the partitions' arguments but their constexprs (and the consumers' warpgroup), which are passed inline: a
     # tuple variable holding them would lose their constness
     shared = (q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS, MODS, stride_num_b, stride_num_h,
-              stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items, num_programs,
-              qk_scale)
+              O, LSE, o_desc, o_smem, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE, KEY_LENGTHS, MODS, stride_num_b,
+              stride_num_h, stride_num_m, stride_idx_b, stride_idx_h, stride_idx_m, heads, q_len, kv_len, n_items,
+              num_programs, qk_scale)
     load_args = (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_smem, k_smem, v_smem, q2_smem, k2_smem, v2_smem,
                  q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, SCHEDULE,
                  KEY_LENGTHS, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
@@ -524,13 +560,13 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
         gl.warp_specialize([
             (_consumer, (shared, 0, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
                          RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
-                         STAGES)),
+                         STAGES, O_STAGED)),
             (_consumer, (shared, 1, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
                          RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
-                         STAGES)),
+                         STAGES, O_STAGED)),
             (_consumer, (shared, 2, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
                          RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
-                         STAGES)),
+                         STAGES, O_STAGED)),
             (_producer, (load_args, MASK_KIND, SCHEDULED, RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M,
                          SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
         ], [4, 4, 1], [160, 160, 24])
@@ -538,10 +574,10 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, O, LSE, F
         gl.warp_specialize([
             (_consumer, (shared, 0, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
                          RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
-                         STAGES)),
+                         STAGES, O_STAGED)),
             (_consumer, (shared, 1, MASK_KIND, SCHEDULED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, SCORE_ROW,
                          RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2,
-                         STAGES)),
+                         STAGES, O_STAGED)),
             (_producer, (load_args, MASK_KIND, SCHEDULED, RAGGED_KEYS, HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M,
                          SPARSE_BLOCK_N, HEAD_DIM2, STAGES)),
         ], [4, 1], [240, 24])
@@ -555,13 +591,18 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask, row_keys: float, dropout: bo
     per score (``special_per_score``: one that is not separable; tanh soft-capping ran 0.72x the Triton
     forward at S=4096 on an H100, its exp and division beside the softmax's exp2 on the special-function
     units of warpgroups that take turns), and with "auto", rows of ``row_keys`` keys on average, at least
-    the threshold of the consumers it would run (AUTO_ROW_KEYS, or AUTO_ROW_KEYS_THREE for three: ``functions``
-    says whether a mask or score function comes with the mask). The layout of each call's tensors is checked at
+    the threshold of the kernel it would run (AUTO_ROW_KEYS; AUTO_ROW_KEYS_THREE for three consumers,
+    AUTO_ROW_KEYS_STAGED for two that store o through shared memory without a function: ``functions`` says whether a
+    mask or score function comes with the mask). The layout of each call's tensors is checked at
     launch. A plan keeps the answer: SPARSEFLASH_GLUON set later changes the plans made after it."""
-    dim = q.shape[3]
-    thresholds = AUTO_ROW_KEYS_THREE if warpgroups(mask.kind, dim, functions, q.shape[2]) == 3 else AUTO_ROW_KEYS
+    key = q.shape[3], mask.kind is MaskKind.CAUSAL
+    threshold = AUTO_ROW_KEYS.get(key, math.inf)
+    if warpgroups(mask.kind, q.shape[3], functions, q.shape[2]) == 3:
+        threshold = AUTO_ROW_KEYS_THREE[key]
+    elif not functions and o_stored_staged(mask.kind, q.shape[3], q.shape[2], k.shape[2]):
+        threshold = AUTO_ROW_KEYS_STAGED.get(key, threshold)
     return not special_per_score and gluon_tools.chosen(
-        q, k, mask, TILES, row_keys, thresholds.get((dim, mask.kind is MaskKind.CAUSAL), math.inf), dropout,
+        q, k, mask, TILES, row_keys, threshold, dropout,
         ragged=(False, True))  # a query tile past q_len: its rows past it are computed, not stored
 
 
@@ -585,13 +626,16 @@ FORWARD_GLUON = Launcher(_attn_fwd_gluon)
 
 @functools.lru_cache(maxsize=None)
 def _constexprs(mask_kind: int, scheduled: bool, causal: bool, sparse_block: tuple[int, int], head_dim: int,
-                parts: tuple[int, int], mods: tuple, warpgroups: int, ragged_keys: bool, key_lengths: bool) -> dict:
+                parts: tuple[int, int], mods: tuple, warpgroups: int, ragged_keys: bool, key_lengths: bool,
+                o_staged: bool) -> dict:
     mask_mod, score_mod, score_keys, score_row = mods
     first, second = parts
     return dict(MASK_KIND=mask_kind, SCHEDULED=scheduled, IS_CAUSAL=causal, MASK_MOD=mask_mod, SCORE_MOD=score_mod,
                 SCORE_KEYS=score_keys, SCORE_ROW=score_row, RAGGED_KEYS=ragged_keys, HAS_KEY_LENGTHS=key_lengths,
                 BLOCK_N=KEY_TILE[head_dim], SPARSE_BLOCK_M=sparse_block[0], SPARSE_BLOCK_N=sparse_block[1],
-                HEAD_DIM=first, HEAD_DIM2=second, STAGES=STAGES[head_dim], WARPGROUPS=warpgroups, num_warps=4)
+                HEAD_DIM=first, HEAD_DIM2=second,
+                STAGES=(O_STAGED_STAGES if o_staged else STAGES)[head_dim], WARPGROUPS=warpgroups, O_STAGED=o_staged,
+                num_warps=4)
 
 
 def launch(plan, q, k, v, o, lse, key_lengths: torch.Tensor, mods: torch.Tensor, ahead: bool = False) -> bool:
@@ -626,18 +670,29 @@ def _arguments(plan, q, k, v, o, lse, key_lengths: torch.Tensor, mods: torch.Ten
                    for x, x_rows, box_rows in boxes]
     if not parts[1]:
         descriptors *= 2
+    o_staged = o_stored_staged(plan.kind, q.shape[3], plan.q_len, plan.kv_len)
+    o_desc = row_view(o, math.prod(o.shape[:3]), HALF_M) if o_staged else descriptors[0]
     tables, table_strides = plan.tables_of("kv")
     consumers = warpgroups(plan.kind, q.shape[3], plan.functions, plan.q_len)
     n_items = plan.batch * plan.heads * math.ceil(plan.q_len / (consumers * HALF_M))
     programs = min(n_items, multiprocessors(q.device))
     schedule = _schedule(plan, consumers, key_tile, programs)
-    return ((programs,), (*descriptors, o, lse, *tables, plan.placeholder if schedule is None else schedule,
+    return ((programs,), (*descriptors, o_desc, o, lse, *tables, plan.placeholder if schedule is None else schedule,
                           key_lengths, mods),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *table_strides, plan.heads, plan.groups,
              plan.q_len, plan.kv_len, n_items, programs, plan.qk_scale),
             _constexprs(KIND_CODES[plan.kind], schedule is not None, plan.causal, plan.sparse_block, q.shape[3],
                         parts, (plan.mask_mod, plan.score_mod, plan.score_keys, plan.score_row), consumers,
-                        plan.kv_len % key_tile != 0, plan.has_key_lengths))
+                        plan.kv_len % key_tile != 0, plan.has_key_lengths, o_staged))
+
+
+def o_stored_staged(kind: MaskKind, head_dim: int, q_len: int, kv_len: int) -> bool:
+    """Whether the consumers store o through shared memory (O_STAGED): DENSE and CAUSAL masks at the head dims of
+    ``O_STAGED_STAGES``, on rows of at most ``O_STAGED_KEYS`` keys, q_len a multiple of a consumer's 64 rows. SPARSE
+    masks keep their stores and K/V buffers (unmeasured there; with a document mask_mod at hd128 ptxas spilled 68
+    bytes a thread staged, none otherwise)."""
+    return (kind is not MaskKind.SPARSE and head_dim in O_STAGED_STAGES and kv_len <= O_STAGED_KEYS
+            and q_len % HALF_M == 0)
 
 
 def _schedule(plan, consumers: int, key_tile: int, programs: int) -> torch.Tensor | None:

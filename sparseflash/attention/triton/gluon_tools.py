@@ -18,8 +18,9 @@ from sparseflash.attention.triton.forward_persistent import row_view_rows
 from sparseflash.attention.triton.launch import kernel_switch
 from sparseflash.masks import MaskKind
 
-# Triton 3.9 renamed Triton 3.6's TMA load (and removed the old name)
+# Triton 3.9 renamed Triton 3.6's TMA load and store (and removed the old names)
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # and its barrier of a partition's threads (bar.sync of its warps)
 thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 

@@ -148,8 +148,9 @@ class Standin:
     def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]):
         self.dtype, self.shape = dtype, tuple(shape)
 
-    def stride(self) -> tuple[int, ...]:
-        return tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
+    def stride(self, dim: int | None = None) -> tuple[int, ...] | int:
+        strides = tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
+        return strides if dim is None else strides[dim]
 
     def element_size(self) -> int:
         return self.dtype.itemsize
