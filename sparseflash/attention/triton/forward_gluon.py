@@ -41,7 +41,8 @@ Constexpr flags:
   STAGES         K/V buffers. A consumer waits for K_{j+1} before it releases V_{j-1}, so that the wait's
                  branch sits between the softmax and the wait for PV_{j-1} (without one, ptxas hoists that
                  wait above the softmax): with 3 or more buffers K_{j+1} goes where tile j-2 was; with 2
-                 (head dims 160 and 256, whose Q and 80 or 64 KiB a stage leave room for no third), K_EARLY.
+                 (head dims 160 and 256, whose Q and 80 or 64 KiB a stage leave room for no third; 128 with
+                 O_STAGED, whose buffers take the third's room), K_EARLY.
   WARPGROUPS     consumer warpgroups (``warpgroups``), each 64 rows of the query tile.
   O_STAGED       each consumer stores its rows of o into a shared buffer of its own and TMA writes them (o_desc: 64-row
                  boxes of o seen as B * H * q_len rows; a consumer whose rows are all past q_len stores none, so q_len
