@@ -604,7 +604,6 @@ def test_the_gluon_forward_takes_three_consumers_at_head_dims_48_and_64(case, di
     assert scalars[-5:-3] == (q_len, q_len) and n_items == 2 * 4 * items and grid[0] <= n_items
 
 
-
 @pytest.mark.parametrize("case, dim, q_len, kv_len, staged, stages", [
     ("dense", 128, 512, 512, True, 2), ("causal", 128, 256, 8192, True, 2), ("dense", 128, 512, 8320, False, 3),
     ("dense", 128, 700, 700, False, 3), ("causal", 128, 320, 512, True, 2), ("random", 128, 512, 512, False, 3),
@@ -628,6 +627,7 @@ def test_the_gluon_forward_stores_o_through_shared_memory_on_rows_up_to_8192_key
         assert o_desc.base is o and list(o_desc.shape) == [2 * 4 * q_len, dim] and list(o_desc.block_shape) == [64, dim]
     else:
         assert o_desc is tensors[0]
+
 
 def _unequal_rows(q_len: int, kv_len: int, heads: int):
     """128 x 128 blocks, row r of each head holding r + 1 random blocks (the longest over UNEQUAL_LINES times the
