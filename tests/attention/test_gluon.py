@@ -479,7 +479,9 @@ def test_gpu_auto_takes_the_gluon_kernels_on_long_rows(monkeypatch):
     causal = LaunchPlan.of(q, q, make("causal", 4096), False, 128 ** -0.5)
     assert causal.gluon_forward and causal.gluon_backward
     butterfly = LaunchPlan.of(q, q, make("butterfly", 4096), False, 128 ** -0.5)  # 768 keys a row
-    assert not butterfly.gluon_forward and not butterfly.gluon_backward
+    assert not butterfly.gluon_forward and butterfly.gluon_backward
+    random = LaunchPlan.of(q, q, make("random", 4096, density=0.0625), False, 128 ** -0.5)  # 256 keys a row
+    assert not random.gluon_forward and not random.gluon_backward
 
 
 def _plan_inputs(q_len=256, kv_len=256, dim=128, dtype=torch.bfloat16):
@@ -805,15 +807,16 @@ def test_the_gluon_backward_reads_a_box_per_part_of_the_head_dim(dim, parts, dq_
     of the second's (the same descriptors again without a second part), BLOCK_M queries and 64 keys; dQ's
     accumulator in the boxes of the consumers' dQ tiles (a part each, or at 128 half the columns each; at 160-256,
     whose warpgroups split the columns, chunks of at most 64); HEAD_DIM and HEAD_DIM2 the parts; the wide kernel's
-    dO and dQ staging buffers by head dim (one each at 256, where two would not fit shared memory)."""
+    dO and dQ staging buffers by head dim (one each at 256, where two would not fit shared memory); without a second
+    part, dK and dV's descriptors in boxes of 64 keys (stored by TMA), q's in their place otherwise (unused)."""
     q = torch.randn(2, 4, 256, dim, dtype=torch.bfloat16)
     k = torch.randn(2, 2, 256, dim, dtype=torch.bfloat16)
     plan = LaunchPlan(q, k, make("causal", 256), False, dim ** -0.5, None)
     stats = torch.zeros(8, 256)
     dq_acc = backward_gluon.accumulator(plan, q)
+    dk, dv = torch.empty_like(k), torch.empty_like(k)
     kernel, (grid, tensors, scalars, constexprs) = backward_gluon._arguments(
-        plan, q, k, k, torch.randn_like(q), (stats, stats), dq_acc, torch.empty_like(k), torch.empty_like(k),
-        plan.placeholder, plan.placeholder, 256)
+        plan, q, k, k, torch.randn_like(q), (stats, stats), dq_acc, dk, dv, plan.placeholder, plan.placeholder, 256)
     wide = dim in backward_gluon.WIDE
     assert kernel is (backward_gluon.BACKWARD_GLUON_WIDE if wide else backward_gluon.BACKWARD_GLUON)
     assert grid == (2 * 2 * 256 // backward_gluon.KEY_TILE[dim],)
@@ -827,6 +830,13 @@ def test_the_gluon_backward_reads_a_box_per_part_of_the_head_dim(dim, parts, dq_
         assert all(a is b for a, b in zip(tensors[:4], tensors[4:8]))
     assert tuple(boxes[8:10]) == dq_boxes and dq_acc.shape == (2 * 4 * 256, dim)
     assert tensors[8].base is dq_acc and tensors[9].base is dq_acc
+    assert tensors[12] is dk and tensors[13] is dv
+    if second:
+        assert tensors[14] is tensors[0] and tensors[15] is tensors[0]
+    else:
+        assert tensors[14].base is dk and tensors[15].base is dv
+        assert [list(d.block_shape) for d in tensors[14:16]] == [[64, dim]] * 2
+        assert list(tensors[14].shape) == [2 * 2 * 256, dim]
     assert (constexprs["HEAD_DIM"], constexprs["HEAD_DIM2"]) == parts and sum(parts) == dim
     buffers = (constexprs.get("DO_STAGES"), constexprs.get("DQ_BUFFERS"))
     assert buffers == ({256: (1, 1)}.get(dim, (2, 2)) if wide else (None, None)), buffers

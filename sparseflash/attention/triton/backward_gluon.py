@@ -99,8 +99,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.forward_persistent import row_view_rows
 from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, key_end, listed_walk, load_box, moved_back,
-                                                      named_sync, ring_index, row_view, row_view_coords,
-                                                      thread_barrier, tma_load, tma_reduce_add, walk_tile_start)
+                                                      named_sync, reinterpreted, ring_index, row_view, row_view_coords,
+                                                      thread_barrier, tma_load, tma_reduce_add, tma_store,
+                                                      walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
 from sparseflash.attention.triton.plan import KIND_CODES
 from sparseflash.attention.triton.tiles import key_steps, modded_scores, row_term
@@ -124,13 +125,15 @@ KV_BOX_ROWS = 64  # keys of a K or V box: one a program at 160-256, two of 128
 # and 96 (157-182 KB; 137-157 with one dQ staging buffer a consumer, when this was measured) three ran 0.90-1.05x
 # as long as two on an H100, no better on the whole
 STAGES = 2
-# "auto" takes it from this mean number of keys a query row walks, by head dim. On an H100 it ran 1.04-1.28x the
-# Triton backward at or above it at head dims 64 and 128, 0.84-1.04x below (docs/results/h100_gluon_backward);
-# head dims in two parts (fwd+bwd, docs/results/h100_gluon_backward_head_dim_parts): 1.02-1.34x from 576 keys
-# (CAUSAL S=1024) at 80 and 96 and from 512 at 48, 0.82-1.01x at 320-512 keys below them, 0.59-0.95x at 256 keys;
-# at 160 and 192 (_attn_bwd_gluon_wide) 1.00-1.11x from 1,088 keys (CAUSAL S=2048), 0.95x at 1,024 (DENSE S=1024);
-# at 256 1.04-1.24x from 576 keys (CAUSAL S=1024), not measured below
-AUTO_ROW_KEYS = {48: 512, 64: 1024, 80: 576, 96: 576, 128: 1024, 160: 1088, 192: 1088, 256: 576}
+# "auto" takes it from this mean number of keys a query row walks, by head dim. At 64 and 128, with dK and dV stored
+# by TMA (``_store_dk_dv_staged``), fwd+bwd ran 0.85-0.97x the time it takes with the Triton backward on rows of
+# 512-768 keys (DENSE, CAUSAL, random, butterfly and local masks; H200, docs/results/h200_gluon_backward_staged_dk_dv),
+# 0.93-1.16x at 128-320 keys (no consistent side); head dims in two parts (fwd+bwd,
+# docs/results/h100_gluon_backward_head_dim_parts): 1.02-1.34x from 576 keys (CAUSAL S=1024) at 80 and 96 and from 512
+# at 48, 0.82-1.01x at 320-512 keys below them, 0.59-0.95x at 256 keys; at 160 and 192 (_attn_bwd_gluon_wide)
+# 1.00-1.11x from 1,088 keys (CAUSAL S=2048), 0.95x at 1,024 (DENSE S=1024); at 256 1.04-1.24x from 576 keys (CAUSAL
+# S=1024), not measured below
+AUTO_ROW_KEYS = {48: 512, 64: 512, 80: 576, 96: 576, 128: 512, 160: 1088, 192: 1088, 256: 576}
 # the column tables' strides change with the lengths: new lengths compile nothing new
 TABLE_STRIDE_ARGS = ["stride_num_b", "stride_num_h", "stride_num_n", "stride_idx_b", "stride_idx_h", "stride_idx_n"]
 
@@ -230,6 +233,26 @@ def _store_dk_dv(DK, DV, dk, dv, first_row, own_row, first_column, pitch, scale,
 
 
 @gluon.jit
+def _store_dk_dv_staged(dk_desc, dv_desc, dk, dv, dv_smem, dq_smem, dq_empty, n, row, scale, WG: gl.constexpr):
+    """Store a warpgroup's dK (times ``scale``) and dV (64 keys x HEAD_DIM, registers) at row ``row`` of dk_desc
+    and dv_desc's row views by TMA, through shared memory the walk (of n query tiles) no longer reads: dV through
+    dv_smem, the warpgroup's half of V, which only its own dP^T products read, and dK through the warpgroup's dQ
+    staging buffer of tile n - 2 (dq_smem, 2 x 64 x 64 fp32: room for 64 x 128 bf16), which the writer gave back
+    a tile ago (the other buffer's add, of the walk's last tile, may still be reading it). From registers, each
+    thread's 64 four-byte stores, 16 bytes a row, took as long as a key tile's work a program (as the forward's o,
+    ``O_STAGED``)."""
+    buffer = n % 2
+    mbarrier.wait(dq_empty.index(WG * 2 + buffer), ((n // 2) - 1) & 1, pred=n >= 2)
+    dk_smem = reinterpreted(dq_smem.index(buffer), dk_desc.dtype, dk_desc.block_type.shape, dk_desc.layout)
+    dk_smem.store((dk * scale).to(dk_desc.dtype))
+    dv_smem.store(dv.to(dv_desc.dtype))
+    fence_async_shared()
+    tma_store(dk_desc, [row, 0], dk_smem)
+    tma_store(dv_desc, [row, 0], dv_smem)
+    tma.store_wait(0)  # the buffers read before the program ends
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc, q_smem,
               do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, kv_ready, q_ready,
               q_empty, do_ready, do_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS,
@@ -298,14 +321,15 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
 
 @gluon.jit
 def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, ds_smem,
-              dq_smem, dq2_smem, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM, FULL_IDX, PART_NUM,
-              PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
-              stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, WG: gl.constexpr, MASK_KIND: gl.constexpr,
-              RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
-              SCORE_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr, BLOCK_N: gl.constexpr,
-              SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              dq_smem, dq2_smem, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, dk_desc, dv_desc, FULL_NUM,
+              FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h, stride_num_n,
+              stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale,
+              WG: gl.constexpr, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr,
+              BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
-    """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end
+    """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end (without a
+    second part by TMA through shared memory the walk no longer reads, ``_store_dk_dv_staged``)
     (DK, DV: (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous; with HEAD_DIM2 their second part's
     columns in dk2 and dv2), and its part of each tile's dQ (``_dq_descriptors``), staged for ``_dq_writer`` in the
     two buffers of dq_smem (and dq2_smem) in turn, behind this warpgroup's pair of dq_full / dq_empty barriers
@@ -443,9 +467,17 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
             n += 1
     first_row = bk * kv_len + kv_start + WG * HALF_N
     own_row = bk * kv_len + kv_own
-    _store_dk_dv(DK, DV, dk, dv, first_row, own_row, 0, HEAD_DIM + HEAD_DIM2, scale, kv_layout)
     if HEAD_DIM2 > 0:
+        _store_dk_dv(DK, DV, dk, dv, first_row, own_row, 0, HEAD_DIM + HEAD_DIM2, scale, kv_layout)
         _store_dk_dv(DK, DV, dk2, dv2, first_row, own_row, HEAD_DIM, HEAD_DIM + HEAD_DIM2, scale, kv2_layout)
+    elif RAGGED:  # the key tile moved back stores from registers only the keys it does not share with the one before
+        # (two ifs: an if/else on this condition crashed Triton 3.6's lowering to LLVM)
+        if kv_start == kv_own:
+            _store_dk_dv_staged(dk_desc, dv_desc, dk, dv, my_values, dq_smem, dq_empty, n, first_row, scale, WG)
+        if kv_start != kv_own:
+            _store_dk_dv(DK, DV, dk, dv, first_row, own_row, 0, HEAD_DIM, scale, kv_layout)
+    else:
+        _store_dk_dv_staged(dk_desc, dv_desc, dk, dv, my_values, dq_smem, dq_empty, n, first_row, scale, WG)
 
 
 @gluon.jit
@@ -505,10 +537,10 @@ def _dq_writer(dq_desc, dq2_desc, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, dq_f
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
 def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, dq_desc, dq2_desc, lse_desc,
-                    delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_qb,
-                    stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dob,
-                    stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h,
-                    stride_idx_n, heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
+                    delta_desc, DK, DV, dk_desc, dv_desc, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS,
+                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                    stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
+                    stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
                     MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
                     SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr,
                     SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -518,7 +550,10 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
     ones; q2/k2/v2/do2_desc the HEAD_DIM2 columns after them (the same descriptors, unused, without a second
     part); dq_desc and dq2_desc the fp32 dQ accumulator (B * H * q_len, HEAD_DIM + HEAD_DIM2) in the boxes of
     the consumers' dQ tiles (``_dq_descriptors``); lse_desc and delta_desc lse2 and delta (B * H * stats_stride,
-    from the preprocess) in boxes of BLOCK_M; KEY_LENGTHS (B,) int32 with HAS_KEY_LENGTHS (a placeholder without)."""
+    from the preprocess) in boxes of BLOCK_M; DK, DV (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous,
+    and without a second part dk_desc and dv_desc over them as B * key/value heads * kv_len rows in 64-row boxes
+    (``_store_dk_dv_staged``; unused with one); KEY_LENGTHS (B,) int32 with HAS_KEY_LENGTHS (a placeholder
+    without)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = 2 * k_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -572,15 +607,17 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
     # constexprs are passed to the partitions inline: a tuple variable holding them loses their constness
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                     ds_smem, dq_smem0, dq2_smem0, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM,
-                     FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h, stride_num_n,
-                     stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 0,
+                     ds_smem, dq_smem0, dq2_smem0, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, dk_desc,
+                     dv_desc, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h,
+                     stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale,
+                     scale, 0,
                      MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, HAS_KEY_LENGTHS, BLOCK_N,
                      SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
         (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
-                     ds_smem, dq_smem1, dq2_smem1, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, FULL_NUM,
-                     FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h, stride_num_n,
-                     stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale, 1,
+                     ds_smem, dq_smem1, dq2_smem1, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, dk_desc,
+                     dv_desc, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h,
+                     stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale,
+                     scale, 1,
                      MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, HAS_KEY_LENGTHS, BLOCK_N,
                      SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc, q_smem,
@@ -723,22 +760,22 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
 def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, dq_desc, dq2_desc,
-                         lse_desc, delta_desc, DK, DV, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS,
-                         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                         stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n,
-                         stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride,
-                         qk_scale, scale, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                         MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
-                         HAS_KEY_LENGTHS: gl.constexpr,
-                         SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.constexpr,
-                         DQ_BUFFERS: gl.constexpr):
+                         lse_desc, delta_desc, DK, DV, dk_desc, dv_desc, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+                         KEY_LENGTHS, MODS, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b,
+                         stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
+                         kv_len, stats_stride, qk_scale, scale, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr,
+                         IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
+                         SCORE_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr,
+                         SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
+                         STAGES: gl.constexpr, DO_STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr):
     """The backward at head dims 160-256: one program per (batch, key/value head, 64-key tile), the arguments
-    as ``_attn_bwd_gluon``'s with K and V in boxes of the whole tile, always two parts (``WIDE``), and dq_desc,
-    dq2_desc in boxes of at most 64 columns: dK and dV of 64 keys x 160-256 columns do not fit one warpgroup's
-    registers, so warpgroup w holds the columns of part w (``_consumer_wide``), and S^T, dP^T of half the queries
-    each, exchanged through shared memory as P and dS. Q and lse2 in a ring of STAGES buffers, dO and delta in one
-    of DO_STAGES; DQ_BUFFERS: a warpgroup's dQ staging buffers at most."""
+    as ``_attn_bwd_gluon``'s with K and V in boxes of the whole tile, always two parts (``WIDE``; dk_desc and
+    dv_desc unused: dK and dV go from registers), and dq_desc, dq2_desc in boxes of at most 64 columns: dK and dV of
+    64 keys x 160-256 columns do not fit one warpgroup's registers, so warpgroup w holds the columns of part w
+    (``_consumer_wide``), and S^T, dP^T of half the queries each, exchanged through shared memory as P and dS. Q and
+    lse2 in a ring of STAGES buffers, dO and delta in one of DO_STAGES; DQ_BUFFERS: a warpgroup's dQ staging buffers
+    at most."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -987,12 +1024,15 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dq_acc, dk, dv, key_lengt
     first_part = boxes(parts[0])
     descriptors = (*first_part, *(boxes(parts[1]) if parts[1] else first_part))
     dq_descs = _dq_descriptors(dq_acc, parts, block_m)
+    # dK and dV's 64-row boxes (``_store_dk_dv_staged``, at head dims 64 and 128), q's descriptor elsewhere (unused)
+    dkv_descs = (tuple(row_view(x, math.prod(x.shape[:3]), KV_BOX_ROWS) for x in (dk, dv)) if not parts[1] else
+                 descriptors[:1] * 2)
     lse_desc, delta_desc = (_stats(dq_acc, block_m), _stats(dq_acc, block_m)) if ahead else (
         _stats(stats[0], block_m), _stats(stats[1], block_m))
     tables, table_strides = plan.tables_of("q")
     return BACKWARD_GLUON_WIDE if q.shape[3] in WIDE else BACKWARD_GLUON, (
         (plan.batch * plan.kv_heads * cdiv(plan.kv_len, key_tile),),
-        (*descriptors, *dq_descs, lse_desc, delta_desc, dk, dv, *tables, key_lengths, mods),
+        (*descriptors, *dq_descs, lse_desc, delta_desc, dk, dv, *dkv_descs, *tables, key_lengths, mods),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *table_strides, plan.heads,
          plan.groups, plan.q_len, plan.kv_len, stats_stride, plan.qk_scale, plan.scale),
         _constexprs(KIND_CODES[plan.kind], plan.q_len % block_m != 0 or plan.kv_len % key_tile != 0, plan.causal,
