@@ -807,8 +807,8 @@ def test_the_gluon_backward_reads_a_box_per_part_of_the_head_dim(dim, parts, dq_
     of the second's (the same descriptors again without a second part), BLOCK_M queries and 64 keys; dQ's
     accumulator in the boxes of the consumers' dQ tiles (a part each, or at 128 half the columns each; at 160-256,
     whose warpgroups split the columns, chunks of at most 64); HEAD_DIM and HEAD_DIM2 the parts; the wide kernel's
-    dO and dQ staging buffers by head dim (one each at 256, where two would not fit shared memory); without a second
-    part, dK and dV's descriptors in boxes of 64 keys (stored by TMA), q's in their place otherwise (unused)."""
+    dO and dQ staging buffers by head dim (one each at 256, where two would not fit shared memory); dK's and dV's
+    descriptors (stored by TMA) in boxes of 64 keys and each part's columns, q's in their place at 160-256 (unused)."""
     q = torch.randn(2, 4, 256, dim, dtype=torch.bfloat16)
     k = torch.randn(2, 2, 256, dim, dtype=torch.bfloat16)
     plan = LaunchPlan(q, k, make("causal", 256), False, dim ** -0.5, None)
@@ -831,12 +831,12 @@ def test_the_gluon_backward_reads_a_box_per_part_of_the_head_dim(dim, parts, dq_
     assert tuple(boxes[8:10]) == dq_boxes and dq_acc.shape == (2 * 4 * 256, dim)
     assert tensors[8].base is dq_acc and tensors[9].base is dq_acc
     assert tensors[12] is dk and tensors[13] is dv
-    if second:
-        assert tensors[14] is tensors[0] and tensors[15] is tensors[0]
+    if wide:
+        assert all(d is tensors[0] for d in tensors[14:18])
     else:
-        assert tensors[14].base is dk and tensors[15].base is dv
-        assert [list(d.block_shape) for d in tensors[14:16]] == [[64, dim]] * 2
+        assert all(d.base is x for d, x in zip(tensors[14:18], (dk, dk, dv, dv)))
         assert list(tensors[14].shape) == [2 * 2 * 256, dim]
+        assert [list(d.block_shape) for d in tensors[14:18]] == [[64, first], [64, second or first]] * 2
     assert (constexprs["HEAD_DIM"], constexprs["HEAD_DIM2"]) == parts and sum(parts) == dim
     buffers = (constexprs.get("DO_STAGES"), constexprs.get("DQ_BUFFERS"))
     assert buffers == ({256: (1, 1)}.get(dim, (2, 2)) if wide else (None, None)), buffers

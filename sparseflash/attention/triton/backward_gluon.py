@@ -99,7 +99,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from sparseflash.attention.triton import gluon_tools
 from sparseflash.attention.triton.forward_persistent import row_view_rows
 from sparseflash.attention.triton.gluon_tools import (issue_abt, issue_pv, key_end, listed_walk, load_box, moved_back,
-                                                      named_sync, reinterpreted, ring_index, row_view, row_view_coords,
+                                                      named_sync, ring_index, row_view, row_view_coords,
                                                       thread_barrier, tma_load, tma_reduce_add, tma_store,
                                                       walk_tile_start)
 from sparseflash.attention.triton.launch import Launcher, Standin, cdiv
@@ -233,22 +233,33 @@ def _store_dk_dv(DK, DV, dk, dv, first_row, own_row, first_column, pitch, scale,
 
 
 @gluon.jit
-def _store_dk_dv_staged(dk_desc, dv_desc, dk, dv, dv_smem, dq_smem, dq_empty, n, row, scale, WG: gl.constexpr):
-    """Store a warpgroup's dK (times ``scale``) and dV (64 keys x HEAD_DIM, registers) at row ``row`` of dk_desc
-    and dv_desc's row views by TMA, through shared memory the walk (of n query tiles) no longer reads: dV through
-    dv_smem, the warpgroup's half of V, which only its own dP^T products read, and dK through the warpgroup's dQ
-    staging buffer of tile n - 2 (dq_smem, 2 x 64 x 64 fp32: room for 64 x 128 bf16), which the writer gave back
-    a tile ago (the other buffer's add, of the walk's last tile, may still be reading it). From registers, each
-    thread's 64 four-byte stores, 16 bytes a row, took as long as a key tile's work a program (as the forward's o,
-    ``O_STAGED``)."""
-    buffer = n % 2
-    mbarrier.wait(dq_empty.index(WG * 2 + buffer), ((n // 2) - 1) & 1, pred=n >= 2)
-    dk_smem = reinterpreted(dq_smem.index(buffer), dk_desc.dtype, dk_desc.block_type.shape, dk_desc.layout)
+def _store_dk_dv_parts(DK, DV, dk, dv, dk2, dv2, first_row, own_row, scale, layout: gl.constexpr,
+                       layout2: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr):
+    """``_store_dk_dv`` of both parts of the head dim (dk2, dv2: the second's, of ``layout2``, with HEAD_DIM2)."""
+    _store_dk_dv(DK, DV, dk, dv, first_row, own_row, 0, HEAD_DIM + HEAD_DIM2, scale, layout)
+    if HEAD_DIM2 > 0:
+        _store_dk_dv(DK, DV, dk2, dv2, first_row, own_row, HEAD_DIM, HEAD_DIM + HEAD_DIM2, scale, layout2)
+
+
+@gluon.jit
+def _store_dk_dv_staged(dk_desc, dk2_desc, dv_desc, dv2_desc, dk, dk2, dv, dv2, dk_smem, dk2_smem, dv_smem, dv2_smem,
+                        row, scale, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr):
+    """Store a warpgroup's dK (times ``scale``) and dV (64 keys x HEAD_DIM, registers; with HEAD_DIM2 their second
+    part's columns in dk2 and dv2) at row ``row`` of the descriptors' row views by TMA (dk2_desc and dv2_desc: the
+    second part's boxes, HEAD_DIM columns on), through shared buffers of their boxes' shape that the walk no longer
+    reads (dk_smem..dv2_smem). From registers, each thread's 64 four-byte stores at head dim 128, 16 bytes of a row
+    for each warp, took as long as a key tile's work a program (as the forward's o, ``O_STAGED``)."""
     dk_smem.store((dk * scale).to(dk_desc.dtype))
     dv_smem.store(dv.to(dv_desc.dtype))
+    if HEAD_DIM2 > 0:
+        dk2_smem.store((dk2 * scale).to(dk2_desc.dtype))
+        dv2_smem.store(dv2.to(dv2_desc.dtype))
     fence_async_shared()
     tma_store(dk_desc, [row, 0], dk_smem)
     tma_store(dv_desc, [row, 0], dv_smem)
+    if HEAD_DIM2 > 0:
+        tma_store(dk2_desc, [row, HEAD_DIM], dk2_smem)
+        tma_store(dv2_desc, [row, HEAD_DIM], dv2_smem)
     tma.store_wait(0)  # the buffers read before the program ends
 
 
@@ -321,19 +332,19 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_de
 
 @gluon.jit
 def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, ds_smem,
-              dq_smem, dq2_smem, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, dk_desc, dv_desc, FULL_NUM,
-              FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h, stride_num_n,
-              stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale,
+              dq_smem, dq2_smem, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, dk_desc, dk2_desc, dv_desc,
+              dv2_desc, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h,
+              stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale, scale,
               WG: gl.constexpr, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
               MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr,
               BLOCK_N: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
-    """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end (without a
-    second part by TMA through shared memory the walk no longer reads, ``_store_dk_dv_staged``)
-    (DK, DV: (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous; with HEAD_DIM2 their second part's
-    columns in dk2 and dv2), and its part of each tile's dQ (``_dq_descriptors``), staged for ``_dq_writer`` in the
-    two buffers of dq_smem (and dq2_smem) in turn, behind this warpgroup's pair of dq_full / dq_empty barriers
-    (WG * 2 + buffer)."""
+    """Keys [WG * 64, WG * 64 + 64) of the program's tile: dK and dV over the walk, stored at the end by TMA through
+    shared memory the walk no longer reads (``_store_dk_dv_staged``; dk_desc..dv2_desc over DK and DV,
+    ``_attn_bwd_gluon``) or from registers (DK, DV: (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous;
+    with HEAD_DIM2 their second part's columns in dk2 and dv2), and its part of each tile's dQ (``_dq_descriptors``),
+    staged for ``_dq_writer`` in the two buffers of dq_smem (and dq2_smem) in turn, behind this warpgroup's pair of
+    dq_full / dq_empty barriers (WG * 2 + buffer)."""
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     HALF_N: gl.constexpr = BLOCK_N // 2
     PARTS: gl.constexpr = 2 if HEAD_DIM2 > 0 else 1  # wgmma groups of a product over the head dim
@@ -467,17 +478,36 @@ def _consumer(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, 
             n += 1
     first_row = bk * kv_len + kv_start + WG * HALF_N
     own_row = bk * kv_len + kv_own
-    if HEAD_DIM2 > 0:
-        _store_dk_dv(DK, DV, dk, dv, first_row, own_row, 0, HEAD_DIM + HEAD_DIM2, scale, kv_layout)
-        _store_dk_dv(DK, DV, dk2, dv2, first_row, own_row, HEAD_DIM, HEAD_DIM + HEAD_DIM2, scale, kv2_layout)
+    # dK and dV go by TMA through buffers the walk no longer reads: dV through the warpgroup's half of V, which only
+    # its own dP^T products read, dK through the first 64 rows of the ring's buffers of tile n - STAGES, which both
+    # warpgroups have read (each gives a tile back before the named barrier of the next, which this one passed):
+    # Q's for warpgroup 0, dO's for warpgroup 1 (none of them loaded where the walk has fewer tiles). Not at head
+    # dim 48 (two parts, 128-query tiles), whose causal walk then spilled twice the bytes and ran 0.95-0.97x as fast,
+    # nor on ragged lengths with a function, where both stores' code (one tile moved back) made ptxas spill in the
+    # walk (hd64 with ALiBi: 34 spill instructions in a loop against 2, sm_90a)
+    STAGED: gl.constexpr = (HEAD_DIM2 == 0 or BLOCK_M == HALF_N) and not (
+        RAGGED and (MASK_MOD is not None or SCORE_MOD is not None))
+    stage = n % STAGES
+    if WG == 0:
+        dk_smem = q_smem.index(stage).slice(0, HALF_N)
+        dk2_smem = q2_smem.index(stage).slice(0, HALF_N)
+    else:
+        dk_smem = do_smem.index(stage).slice(0, HALF_N)
+        dk2_smem = do2_smem.index(stage).slice(0, HALF_N)
+    if not STAGED:
+        _store_dk_dv_parts(DK, DV, dk, dv, dk2, dv2, first_row, own_row, scale, kv_layout, kv2_layout, HEAD_DIM,
+                           HEAD_DIM2)
     elif RAGGED:  # the key tile moved back stores from registers only the keys it does not share with the one before
         # (two ifs: an if/else on this condition crashed Triton 3.6's lowering to LLVM)
         if kv_start == kv_own:
-            _store_dk_dv_staged(dk_desc, dv_desc, dk, dv, my_values, dq_smem, dq_empty, n, first_row, scale, WG)
+            _store_dk_dv_staged(dk_desc, dk2_desc, dv_desc, dv2_desc, dk, dk2, dv, dv2, dk_smem, dk2_smem, my_values,
+                                my_values2, first_row, scale, HEAD_DIM, HEAD_DIM2)
         if kv_start != kv_own:
-            _store_dk_dv(DK, DV, dk, dv, first_row, own_row, 0, HEAD_DIM, scale, kv_layout)
+            _store_dk_dv_parts(DK, DV, dk, dv, dk2, dv2, first_row, own_row, scale, kv_layout, kv2_layout, HEAD_DIM,
+                               HEAD_DIM2)
     else:
-        _store_dk_dv_staged(dk_desc, dv_desc, dk, dv, my_values, dq_smem, dq_empty, n, first_row, scale, WG)
+        _store_dk_dv_staged(dk_desc, dk2_desc, dv_desc, dv2_desc, dk, dk2, dv, dv2, dk_smem, dk2_smem, my_values,
+                            my_values2, first_row, scale, HEAD_DIM, HEAD_DIM2)
 
 
 @gluon.jit
@@ -537,23 +567,23 @@ def _dq_writer(dq_desc, dq2_desc, dq_smem0, dq2_smem0, dq_smem1, dq2_smem1, dq_f
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
 def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, dq_desc, dq2_desc, lse_desc,
-                    delta_desc, DK, DV, dk_desc, dv_desc, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS,
-                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                    stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n, stride_idx_b,
-                    stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, qk_scale, scale,
-                    MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr,
-                    SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr, HAS_KEY_LENGTHS: gl.constexpr,
-                    SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
+                    delta_desc, DK, DV, dk_desc, dk2_desc, dv_desc, dv2_desc, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
+                    KEY_LENGTHS, MODS, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                    stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b, stride_num_h, stride_num_n,
+                    stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, stats_stride, qk_scale,
+                    scale, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                    MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_KEYS: gl.constexpr,
+                    HAS_KEY_LENGTHS: gl.constexpr, SPARSE_BLOCK_M: gl.constexpr, SPARSE_BLOCK_N: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr, STAGES: gl.constexpr):
     """One program per (batch, key/value head, 128-key tile) (``_program_tile``). q/k/v/do_desc read Q, K, V,
     dO as ``row_view`` matrices in boxes of HEAD_DIM columns, K and V in 64-row boxes, Q and dO in BLOCK_M-row
     ones; q2/k2/v2/do2_desc the HEAD_DIM2 columns after them (the same descriptors, unused, without a second
     part); dq_desc and dq2_desc the fp32 dQ accumulator (B * H * q_len, HEAD_DIM + HEAD_DIM2) in the boxes of
     the consumers' dQ tiles (``_dq_descriptors``); lse_desc and delta_desc lse2 and delta (B * H * stats_stride,
     from the preprocess) in boxes of BLOCK_M; DK, DV (B, key/value heads, kv_len, HEAD_DIM + HEAD_DIM2) contiguous,
-    and without a second part dk_desc and dv_desc over them as B * key/value heads * kv_len rows in 64-row boxes
-    (``_store_dk_dv_staged``; unused with one); KEY_LENGTHS (B,) int32 with HAS_KEY_LENGTHS (a placeholder
-    without)."""
+    dk_desc and dv_desc over them as B * key/value heads * kv_len rows in 64-row boxes of HEAD_DIM columns, dk2_desc
+    and dv2_desc of HEAD_DIM2 (``_store_dk_dv_staged``; the first part's again without a second); KEY_LENGTHS (B,)
+    int32 with HAS_KEY_LENGTHS (a placeholder without)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = 2 * k_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -608,18 +638,16 @@ def _attn_bwd_gluon(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, 
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
                      ds_smem, dq_smem0, dq2_smem0, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, dk_desc,
-                     dv_desc, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h,
-                     stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale,
-                     scale, 0,
-                     MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, HAS_KEY_LENGTHS, BLOCK_N,
-                     SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+                     dk2_desc, dv_desc, dv2_desc, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS,
+                     stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups,
+                     q_len, kv_len, qk_scale, scale, 0, MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS,
+                     HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
         (_consumer, (q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem,
                      ds_smem, dq_smem1, dq2_smem1, kv_ready, q_ready, q_empty, dq_full, dq_empty, DK, DV, dk_desc,
-                     dv_desc, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_num_b, stride_num_h,
-                     stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len, kv_len, qk_scale,
-                     scale, 1,
-                     MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS, HAS_KEY_LENGTHS, BLOCK_N,
-                     SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
+                     dk2_desc, dv_desc, dv2_desc, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, MODS,
+                     stride_num_b, stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups,
+                     q_len, kv_len, qk_scale, scale, 1, MASK_KIND, RAGGED, IS_CAUSAL, MASK_MOD, SCORE_MOD, SCORE_KEYS,
+                     HAS_KEY_LENGTHS, BLOCK_N, SPARSE_BLOCK_M, SPARSE_BLOCK_N, HEAD_DIM, HEAD_DIM2, STAGES)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, lse_desc, delta_desc, q_smem,
                      do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_smem, v_smem, k2_smem, v2_smem, kv_ready,
                      q_ready, q_empty, q_ready, q_empty, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KEY_LENGTHS, stride_qb,
@@ -760,9 +788,9 @@ def _consumer_wide(q_smem, do_smem, q2_smem, do2_smem, lse_smem, delta_smem, k_s
 
 @gluon.jit(do_not_specialize=["q_len", "kv_len", "stats_stride", *TABLE_STRIDE_ARGS])
 def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_desc, do2_desc, dq_desc, dq2_desc,
-                         lse_desc, delta_desc, DK, DV, dk_desc, dv_desc, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX,
-                         KEY_LENGTHS, MODS, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b,
+                         lse_desc, delta_desc, DK, DV, dk_desc, dk2_desc, dv_desc, dv2_desc, FULL_NUM, FULL_IDX,
+                         PART_NUM, PART_IDX, KEY_LENGTHS, MODS, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+                         stride_kn, stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom, stride_num_b,
                          stride_num_h, stride_num_n, stride_idx_b, stride_idx_h, stride_idx_n, heads, groups, q_len,
                          kv_len, stats_stride, qk_scale, scale, MASK_KIND: gl.constexpr, RAGGED: gl.constexpr,
                          IS_CAUSAL: gl.constexpr, MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr,
@@ -770,8 +798,8 @@ def _attn_bwd_gluon_wide(q_desc, k_desc, v_desc, do_desc, q2_desc, k2_desc, v2_d
                          SPARSE_BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM2: gl.constexpr,
                          STAGES: gl.constexpr, DO_STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr):
     """The backward at head dims 160-256: one program per (batch, key/value head, 64-key tile), the arguments
-    as ``_attn_bwd_gluon``'s with K and V in boxes of the whole tile, always two parts (``WIDE``; dk_desc and
-    dv_desc unused: dK and dV go from registers), and dq_desc, dq2_desc in boxes of at most 64 columns: dK and dV of
+    as ``_attn_bwd_gluon``'s with K and V in boxes of the whole tile, always two parts (``WIDE``; dk_desc to
+    dv2_desc unused: dK and dV go from registers), and dq_desc, dq2_desc in boxes of at most 64 columns: dK and dV of
     64 keys x 160-256 columns do not fit one warpgroup's registers, so warpgroup w holds the columns of part w
     (``_consumer_wide``), and S^T, dP^T of half the queries each, exchanged through shared memory as P and dS. Q and
     lse2 in a ring of STAGES buffers, dO and delta in one of DO_STAGES; DQ_BUFFERS: a warpgroup's dQ staging buffers
@@ -1024,9 +1052,13 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dq_acc, dk, dv, key_lengt
     first_part = boxes(parts[0])
     descriptors = (*first_part, *(boxes(parts[1]) if parts[1] else first_part))
     dq_descs = _dq_descriptors(dq_acc, parts, block_m)
-    # dK and dV's 64-row boxes (``_store_dk_dv_staged``, at head dims 64 and 128), q's descriptor elsewhere (unused)
-    dkv_descs = (tuple(row_view(x, math.prod(x.shape[:3]), KV_BOX_ROWS) for x in (dk, dv)) if not parts[1] else
-                 descriptors[:1] * 2)
+    # dK's and dV's 64-row boxes of each part (``_store_dk_dv_staged``: dk, dk2, dv, dv2; the first part's again
+    # without a second), q's descriptor in the wide kernel (unused)
+    if q.shape[3] in WIDE:
+        dkv_descs = descriptors[:1] * 4
+    else:
+        dkv_descs = tuple(row_view(x, math.prod(x.shape[:3]), KV_BOX_ROWS, width) for x in (dk, dv)
+                          for width in (parts[0], parts[1] or parts[0]))
     lse_desc, delta_desc = (_stats(dq_acc, block_m), _stats(dq_acc, block_m)) if ahead else (
         _stats(stats[0], block_m), _stats(stats[1], block_m))
     tables, table_strides = plan.tables_of("q")

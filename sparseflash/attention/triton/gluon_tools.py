@@ -12,7 +12,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.language.core import _unwrap_if_constexpr, builtin
+from triton.language.core import builtin
 
 from sparseflash.attention.triton.forward_persistent import row_view_rows
 from sparseflash.attention.triton.launch import kernel_switch
@@ -32,14 +32,6 @@ def tma_reduce_add(desc, coord, src, _semantic=None):
     Triton 3.9 calls it ``tma.async_atomic_add``; 3.6 builds the same operation but has no Gluon name for it."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
-
-
-@builtin
-def reinterpreted(smem, dtype, shape, layout, _semantic=None):
-    """The shared-memory buffer ``smem`` seen as a buffer of ``dtype``, ``shape`` and ``layout`` (its bytes, which
-    must hold that many): Triton 3.9's ``reinterpret``, 3.6's ``_reinterpret``."""
-    return _semantic.memdesc_reinterpret(smem, _unwrap_if_constexpr(dtype), [_unwrap_if_constexpr(s) for s in shape],
-                                         _unwrap_if_constexpr(layout))
 
 
 @gluon.jit
