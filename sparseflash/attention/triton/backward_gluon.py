@@ -1052,13 +1052,15 @@ def _arguments(plan, q, k, v, do, stats: tuple | None, dq_acc, dk, dv, key_lengt
     first_part = boxes(parts[0])
     descriptors = (*first_part, *(boxes(parts[1]) if parts[1] else first_part))
     dq_descs = _dq_descriptors(dq_acc, parts, block_m)
-    # dK's and dV's 64-row boxes of each part (``_store_dk_dv_staged``: dk, dk2, dv, dv2; the first part's again
-    # without a second), q's descriptor in the wide kernel (unused)
+    # dK's and dV's 64-row boxes of each part (``_store_dk_dv_staged``: dk, dk2, dv, dv2; the first part's objects
+    # again without a second, as q's above: two descriptors built a launch, not four, and a replay rebases each object
+    # once), q's in the wide kernel (unused)
     if q.shape[3] in WIDE:
         dkv_descs = descriptors[:1] * 4
     else:
-        dkv_descs = tuple(row_view(x, math.prod(x.shape[:3]), KV_BOX_ROWS, width) for x in (dk, dv)
-                          for width in (parts[0], parts[1] or parts[0]))
+        first = [row_view(x, math.prod(x.shape[:3]), KV_BOX_ROWS, parts[0]) for x in (dk, dv)]
+        second = [row_view(x, math.prod(x.shape[:3]), KV_BOX_ROWS, parts[1]) for x in (dk, dv)] if parts[1] else first
+        dkv_descs = (first[0], second[0], first[1], second[1])
     lse_desc, delta_desc = (_stats(dq_acc, block_m), _stats(dq_acc, block_m)) if ahead else (
         _stats(stats[0], block_m), _stats(stats[1], block_m))
     tables, table_strides = plan.tables_of("q")
